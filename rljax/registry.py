@@ -7,7 +7,8 @@ Duplicate registration is an error and an unknown name lists the valid choices.
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 

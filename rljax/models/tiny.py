@@ -58,33 +58,62 @@ def build_tokenizer(path: str | os.PathLike, vocab_size: int = 512):
     return fast
 
 
-def tiny_hf_config(family: str = "qwen2", *, vocab_size: int = 512, hidden_size: int = 128,
-                   num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                   intermediate_size: int = 256, tie_word_embeddings: bool = True,
-                   max_position_embeddings: int = 512, eos_token_id: int = 2):
+def tiny_hf_config(
+    family: str = "qwen2",
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    tie_word_embeddings: bool = True,
+    max_position_embeddings: int = 512,
+    eos_token_id: int = 2,
+):
     """A transformers config for a tiny model of `family` (head_dim = hidden/heads, >= 32 for vLLM CPU)."""
     import transformers
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
-        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
-        eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=0, dtype="float32",
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        pad_token_id=0,
+        dtype="float32",
     )
     if family == "qwen2":
         return transformers.Qwen2Config(**common, rope_theta=10000.0)
     if family == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=hidden_size // num_heads, rope_theta=10000.0)
     if family == "llama":
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
         return transformers.LlamaConfig(**common, rope_parameters=rope, attention_bias=False, mlp_bias=False)
     raise ValueError(f"unknown tiny model family {family!r}; valid: {', '.join(FAMILIES)}")
 
 
-def build_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2", *, seed: int = 0,
-                          init_std: float = 0.1, **config_overrides) -> Path:
+def build_tiny_checkpoint(
+    path: str | os.PathLike,
+    family: str = "qwen2",
+    *,
+    seed: int = 0,
+    init_std: float = 0.1,
+    **config_overrides,
+) -> Path:
     """Writes a random tiny `family` checkpoint plus tokenizer to `path` and returns the path.
 
     `init_std` is larger than transformers' default so log-probs are far from uniform: a wrong weight
