@@ -1,0 +1,444 @@
+"""The typed, nested config schema: one default per field, in one place.
+
+`configs/*.py` files build an `ml_collections.ConfigDict` from `default_config_dict()` and change a few
+fields; `from_config_dict` turns the (possibly overridden) ConfigDict into frozen dataclasses, rejecting
+unknown keys (with the closest valid names), wrong types and values outside a field's choices.
+`validate` checks cross-field facts that need no devices; `validate_runtime` checks the ones that do.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+    """A user error in the config. `field` is the dotted name of the bad field."""
+
+    def __init__(self, field_name: str, message: str | None = None):
+        # One-argument form: libraries that re-raise `type(e)(str(e))` (config_flags) keep working.
+        super().__init__(field_name if message is None else f"{field_name}: {message}")
+        self.field = field_name.split(":", 1)[0] if message is None else field_name
+
+
+def _choice(default: str, *choices: str):
+    """A str field whose value must be one of `choices` (checked by `from_config_dict`)."""
+    return field(default=default, metadata={"choices": choices})
+
+
+# ---------------------------------------------------------------------------------------------- schema
+@dataclass(frozen=True)
+class AlgoConfig:
+    family: str = _choice("grpo", "grpo", "ppo")  # grpo: group-relative advantages, no critic
+    advantage: str = "grpo"  # a name in rljax.algos.ADVANTAGES (ppo uses GAE instead)
+    adv_std_scale: str = _choice("group", "group", "batch", "none")
+    adv_eps: float = 1e-6
+    policy_loss: str = "ppo_clip"  # a name in rljax.algos.POLICY_LOSSES
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # DAPO's clip-higher sets this above clip_low
+    dual_clip_c: float = 0.0  # 0 disables dual clip; otherwise must be > 1
+    aggregation: str = "token_mean"  # a name in rljax.algos.LOSS_AGGREGATIONS
+    beta: float = 0.0  # KL-to-reference coefficient; 0 means no reference policy is computed
+    kl_estimator: str = "k3"  # a name in rljax.algos.KL_ESTIMATORS
+    entropy_coef: float = 0.0
+    is_level: str = _choice("token", "none", "token", "sequence")  # trainer-vs-rollout IS correction
+    is_mode: str = _choice("truncate", "truncate", "mask")
+    is_cap: float = 2.0
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards all agree, refill from new prompts
+    max_refill_rounds: int = 3
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over this many tokens before max_tokens
+    overlong_penalty: float = 1.0
+    gamma: float = 1.0  # PPO / GAE
+    lam: float = 1.0
+    vf_coef: float = 0.5
+    value_clip: float = 0.2  # 0 disables value clipping
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "assets/tiny_arith"  # local HF checkpoint dir (config.json + *.safetensors + tokenizer)
+    param_dtype: str = _choice("float32", "float32", "bfloat16")
+    compute_dtype: str = _choice("float32", "float32", "bfloat16")
+    remat: bool = False
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    urls: tuple = ()  # existing servers; empty: rljax starts and owns one
+    host: str = "127.0.0.1"  # loopback by default: vLLM's RL endpoints are not authenticated
+    port: int = 0  # 0 picks a free port
+    gpu_memory_utilization: float = 0.15  # on CPU: fraction of host RAM reserved
+    kvcache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on the CPU build
+    max_model_len: int = 512
+    startup_timeout_s: float = 300.0
+    request_timeout_s: float = 120.0
+    max_retries: int = 2
+    max_restarts: int = 3
+    extra_args: tuple = ()
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    transport: str = _choice("shm", "shm", "tcp")
+    bucket_mb: int = 64
+    canary_tolerance: float = 1e-4
+    checksums: bool = False
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = _choice("vllm", "vllm")
+    batch_size: int = 64  # completions per step (= prompts per step * group_size)
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_tokens: int = 16
+    stop_token_ids: tuple = ()
+    eval_temperature: float = 0.0
+    vllm: VLLMConfig = VLLMConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    functions: tuple = ("math",)  # names in rljax.rewards.REWARDS or "package.module:function"
+    weights: tuple = (1.0,)
+    timeout_s: float = 5.0
+    num_workers: int = 2
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "arithmetic"  # a name in rljax.data.SOURCES
+    path: str = ""  # for file sources
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    template: str = "{prompt}"
+    eval_size: int = 64
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = _choice("adamw", "adamw", "sgd")
+    learning_rate: float = 1e-4
+    schedule: str = _choice("constant", "constant", "cosine")
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    fsdp: int = -1  # -1: all remaining devices
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    enabled: bool = True
+    every_steps: int = 10
+    keep_last: int = 3
+    keep_every: int = 0  # also keep every K-th step forever; 0 disables
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    tensorboard: bool = True
+    console: bool = True
+    wandb_project: str = ""  # empty disables Weights & Biases
+    wandb_mode: str = _choice("offline", "offline", "online")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    steps: int = 40
+    seed: int = 0
+    max_staleness: int = 0  # 0 = synchronous; k: rollouts may lag the policy by up to k versions
+    micro_batch_size: int = 0  # 0 = the whole minibatch in one pass
+    epochs: int = 1  # update passes over each rollout batch
+    minibatches: int = 1  # optimizer steps per epoch
+    max_nonfinite_skips: int = 3  # consecutive skipped (non-finite) updates before the run stops
+    eval_every: int = 10
+    logprob_impl: str = "auto"  # a name in rljax.kernels implementations
+
+
+@dataclass(frozen=True)
+class Config:
+    algo: AlgoConfig = AlgoConfig()
+    model: ModelConfig = ModelConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+
+# ------------------------------------------------------------------------------------------- conversion
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        f.type = hints[f.name]
+        out[f.name] = f
+    return out
+
+
+def field_types(cls=Config, prefix: str = "") -> dict[str, type]:
+    """Every leaf field as `dotted.name -> type` (nested dataclasses flattened)."""
+    out: dict[str, type] = {}
+    for name, f in _fields(cls).items():
+        if dataclasses.is_dataclass(f.type):
+            out.update(field_types(f.type, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = f.type
+    return out
+
+
+def suggest(key: str, valid: list[str]) -> str:
+    """'; did you mean a, b?' for the closest valid names (by whole key and by last component)."""
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
+    if not close:
+        tail = key.rsplit(".", 1)[-1]
+        close = [v for v in valid if v.rsplit(".", 1)[-1] == tail][:3]
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def to_config_dict(cfg: Config | None = None) -> ml_collections.ConfigDict:
+    """The ConfigDict form of `cfg` (default: all defaults); config files start from this."""
+    cfg = cfg if cfg is not None else Config()
+
+    def convert(obj):
+        if dataclasses.is_dataclass(obj):
+            return {f.name: convert(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return obj
+
+    return ml_collections.ConfigDict(convert(cfg))
+
+
+default_config_dict = to_config_dict
+
+
+def _coerce(name: str, typ: type, value: Any) -> Any:
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    elif typ is tuple:
+        if isinstance(value, (tuple, list)):
+            return tuple(value)
+    raise ConfigError(name, f"expected {typ.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls, data: Any, prefix: str):
+    if isinstance(data, ml_collections.ConfigDict):
+        data = data.to_dict()
+    if not isinstance(data, dict):
+        raise ConfigError(prefix.rstrip(".") or "config", f"expected a section, got {data!r}")
+    fields = _fields(cls)
+    valid = sorted(field_types(Config))
+    for key in data:
+        if key not in fields:
+            full = f"{prefix}{key}"
+            raise ConfigError(full, f"unknown config key{suggest(full, valid)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        full = f"{prefix}{name}"
+        if dataclasses.is_dataclass(f.type):
+            kwargs[name] = _build(f.type, data[name], full + ".")
+            continue
+        value = _coerce(full, f.type, data[name])
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            raise ConfigError(full, f"{value!r} is not one of {', '.join(map(repr, choices))}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
+    """Typed `Config` from a ConfigDict; raises ConfigError on unknown keys, wrong types, bad choices."""
+    return _build(Config, cd, "")
+
+
+def parse_override(key: str, text: str) -> Any:
+    """Parses a command-line override `--config.<key>=<text>` to the field's type; ConfigError if bad."""
+    types_ = field_types(Config)
+    if key not in types_:
+        raise ConfigError(key, f"unknown config key{suggest(key, sorted(types_))}")
+    typ = types_[key]
+    if typ is str:
+        return text
+    if typ is bool:
+        low = text.strip().lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise ConfigError(key, f"expected bool (true/false), got {text!r}")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ConfigError(key, f"expected {typ.__name__}, got {text!r}") from None
+    if typ is tuple and not isinstance(value, (tuple, list)):
+        value = (value,)
+    return _coerce(key, typ, value)
+
+
+def to_dict(cfg: Config) -> dict:
+    """A plain, JSON-serializable dict of the resolved config (saved with every checkpoint)."""
+    return to_config_dict(cfg).to_dict()
+
+
+# ------------------------------------------------------------------------------------------- validation
+def _positive(cfg: Config) -> list[tuple[str, Any]]:
+    return [
+        ("optim.learning_rate", cfg.optim.learning_rate),
+        ("trainer.steps", cfg.trainer.steps),
+        ("trainer.epochs", cfg.trainer.epochs),
+        ("trainer.minibatches", cfg.trainer.minibatches),
+        ("trainer.max_nonfinite_skips", cfg.trainer.max_nonfinite_skips),
+        ("rollout.batch_size", cfg.rollout.batch_size),
+        ("rollout.group_size", cfg.rollout.group_size),
+        ("rollout.max_tokens", cfg.rollout.max_tokens),
+        ("rollout.temperature", cfg.rollout.temperature),
+        ("rollout.weight_sync.bucket_mb", cfg.rollout.weight_sync.bucket_mb),
+        ("reward.timeout_s", cfg.reward.timeout_s),
+        ("reward.num_workers", cfg.reward.num_workers),
+        ("checkpoint.every_steps", cfg.checkpoint.every_steps),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last),
+        ("algo.is_cap", cfg.algo.is_cap),
+    ]
+
+
+def _check_names(cfg: Config) -> None:
+    from rljax import algos
+
+    for key, registry, name in [
+        ("algo.advantage", algos.ADVANTAGES, cfg.algo.advantage),
+        ("algo.policy_loss", algos.POLICY_LOSSES, cfg.algo.policy_loss),
+        ("algo.aggregation", algos.LOSS_AGGREGATIONS, cfg.algo.aggregation),
+        ("algo.kl_estimator", algos.KL_ESTIMATORS, cfg.algo.kl_estimator),
+    ]:
+        if name not in registry:
+            raise ConfigError(key, f"unknown name {name!r}; valid: {', '.join(registry.names())}")
+
+
+def validate(cfg: Config) -> Config:
+    """Checks cross-field facts that need no devices; raises ConfigError naming the field. Returns cfg."""
+    for key, value in _positive(cfg):
+        if not value > 0:
+            raise ConfigError(key, f"must be > 0, got {value!r}")
+    ro, tr = cfg.rollout, cfg.trainer
+    if ro.batch_size % ro.group_size:
+        raise ConfigError(
+            "rollout.batch_size",
+            f"{ro.batch_size} is not divisible by rollout.group_size={ro.group_size}",
+        )
+    if cfg.algo.family == "grpo" and ro.group_size < 2:
+        raise ConfigError("rollout.group_size", "GRPO needs at least 2 samples per prompt")
+    if not 0.0 < ro.top_p <= 1.0:
+        raise ConfigError("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
+    if ro.top_k < 0:
+        raise ConfigError("rollout.top_k", f"must be >= 0 (0 disables), got {ro.top_k}")
+    if tr.max_staleness < 0:
+        raise ConfigError("trainer.max_staleness", f"must be >= 0, got {tr.max_staleness}")
+    if ro.batch_size % tr.minibatches:
+        raise ConfigError(
+            "trainer.minibatches", f"{tr.minibatches} does not divide rollout.batch_size={ro.batch_size}"
+        )
+    minibatch = ro.batch_size // tr.minibatches
+    if tr.micro_batch_size < 0 or (tr.micro_batch_size and minibatch % tr.micro_batch_size):
+        raise ConfigError(
+            "trainer.micro_batch_size",
+            f"{tr.micro_batch_size} must be 0 or divide the minibatch size {minibatch}",
+        )
+    if cfg.algo.dual_clip_c and cfg.algo.dual_clip_c <= 1.0:
+        raise ConfigError("algo.dual_clip_c", f"must be 0 (off) or > 1, got {cfg.algo.dual_clip_c}")
+    if len(cfg.reward.functions) != len(cfg.reward.weights) or not cfg.reward.functions:
+        raise ConfigError(
+            "reward.weights",
+            f"needs one weight per reward function: {len(cfg.reward.functions)} functions, "
+            f"{len(cfg.reward.weights)} weights",
+        )
+    _validate_mesh_sizes(cfg.mesh)
+    _check_names(cfg)
+    return cfg
+
+
+def _validate_mesh_sizes(mesh: MeshConfig) -> None:
+    sizes = {"mesh.data": mesh.data, "mesh.fsdp": mesh.fsdp, "mesh.tensor": mesh.tensor}
+    for key, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(key, f"must be a positive size or -1 (the rest), got {size}")
+    if sum(s == -1 for s in sizes.values()) > 1:
+        raise ConfigError("mesh", "at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+
+
+def mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
+    """Resolved sizes {data, fsdp, tensor} for `num_devices`; ConfigError when they cannot multiply to it."""
+    _validate_mesh_sizes(mesh)
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
+    known = 1
+    for s in sizes.values():
+        known *= s if s > 0 else 1
+    for name, s in sizes.items():
+        if s == -1:
+            if num_devices % known:
+                raise ConfigError(
+                    f"mesh.{name}",
+                    f"-1 cannot fill {num_devices} devices: the other axes multiply to {known}",
+                )
+            sizes[name] = num_devices // known
+    product = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+    if product != num_devices:
+        raise ConfigError(
+            "mesh",
+            f"data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*{sizes['tensor']} = {product}, "
+            f"but there are {num_devices} devices",
+        )
+    return sizes
+
+
+def validate_runtime(cfg: Config, num_devices: int) -> dict[str, int]:
+    """Checks that need the machine: mesh vs device count and the model directory. Returns mesh sizes."""
+    sizes = mesh_shape(cfg.mesh, num_devices)
+    path = cfg.model.path
+    if not os.path.isdir(path):
+        raise ConfigError("model.path", f"no such directory: {path!r} (a local Hugging Face checkpoint)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError("model.path", f"{path!r} has no config.json (not a Hugging Face checkpoint)")
+    data_parallel = sizes["data"] * sizes["fsdp"]
+    minibatch = cfg.rollout.batch_size // cfg.trainer.minibatches
+    micro = cfg.trainer.micro_batch_size or minibatch
+    if micro % data_parallel:
+        raise ConfigError(
+            "trainer.micro_batch_size",
+            f"the micro-batch of {micro} sequences is not divisible by data*fsdp = {data_parallel}",
+        )
+    return sizes

@@ -1,0 +1,136 @@
+"""The loss-input contract: the one batch type that crosses from the host loop into the trainer.
+
+Alignment convention (one place, used everywhere): row b holds one sequence (or several packed ones);
+position t predicts `target_ids[b, t]` from `input_ids[b, :t+1]`, so `target_ids[b, t] == input_ids[b, t+1]`
+inside a segment. Every per-token field ([B, T]) is indexed by the *target* position: `loss_mask[b, t] = 1`
+iff `target_ids[b, t]` was sampled by the policy (not prompt, not tool output, not padding) and
+`behavior_logp[b, t]` is the rollout engine's log-prob of that sampled token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "input_ids",
+        "target_ids",
+        "positions",
+        "segment_ids",
+        "loss_mask",
+        "behavior_logp",
+        "advantages",
+        "rewards",
+        "group_ids",
+        "policy_version",
+    ],
+    meta_fields=["temperature", "top_p", "top_k"],
+)
+@dataclasses.dataclass(frozen=True)
+class LossInputs:
+    """A batch for the update step. Shapes: B sequences (rows), T tokens.
+
+    Fields:
+      input_ids: i32[B,T] token ids fed to the model (prompt + completion, padded with 0).
+      target_ids: i32[B,T] the next token at each position (0 where there is none).
+      positions: i32[B,T] RoPE positions (restart at 0 for each packed segment).
+      segment_ids: i32[B,T] 0 = padding; tokens attend only within their own segment id.
+      loss_mask: f32[B,T] 1 exactly on policy-sampled target tokens.
+      behavior_logp: f32[B,T] rollout engine log-prob of each sampled target token (0 off-mask).
+      advantages: f32[B] per-sequence advantage (GRPO family; zeros for PPO, which uses GAE).
+      rewards: f32[B] scalar reward of each sequence.
+      group_ids: i32[B] prompt group of each sequence (0..num_groups-1).
+      policy_version: i32[B] policy version that generated each sequence.
+      temperature, top_p, top_k: the sampler settings that produced `behavior_logp` (static).
+    """
+
+    input_ids: jax.Array
+    target_ids: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+    loss_mask: jax.Array
+    behavior_logp: jax.Array
+    advantages: jax.Array
+    rewards: jax.Array
+    group_ids: jax.Array
+    policy_version: jax.Array
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)
+
+    def replace(self, **changes) -> LossInputs:
+        return dataclasses.replace(self, **changes)
+
+
+TOKEN_FIELDS = ("input_ids", "target_ids", "positions", "segment_ids", "loss_mask", "behavior_logp")
+SEQUENCE_FIELDS = ("advantages", "rewards", "group_ids", "policy_version")
+_DTYPES = {
+    "input_ids": np.int32,
+    "target_ids": np.int32,
+    "positions": np.int32,
+    "segment_ids": np.int32,
+    "loss_mask": np.float32,
+    "behavior_logp": np.float32,
+    "advantages": np.float32,
+    "rewards": np.float32,
+    "group_ids": np.int32,
+    "policy_version": np.int32,
+}
+
+
+class BatchError(ValueError):
+    """The loss-input batch violates the contract; the message names the field and the first bad row."""
+
+
+def _check(cond: np.ndarray | bool, field: str, what: str) -> None:
+    cond = np.asarray(cond)
+    if cond.all():
+        return
+    bad = np.argwhere(~cond)[0] if cond.ndim else ()
+    where = f" (first at index {tuple(int(i) for i in bad)})" if len(bad) else ""
+    raise BatchError(f"LossInputs.{field}: {what}{where}")
+
+
+def validate_loss_inputs(batch: LossInputs, *, vocab_size: int | None = None) -> LossInputs:
+    """Checks the contract once, on the host (numpy), before the batch enters jit. Returns the batch.
+
+    Checks: dtypes and shapes, target alignment inside segments, mask only on real tokens and non-empty
+    per sequence row, behaviour log-probs finite and <= 0 on the mask, token ids within the vocabulary.
+    """
+    arrays = {name: np.asarray(getattr(batch, name)) for name in TOKEN_FIELDS + SEQUENCE_FIELDS}
+    shape = arrays["input_ids"].shape
+    _check(len(shape) == 2, "input_ids", f"must be 2-D [B,T], got shape {shape}")
+    for name, arr in arrays.items():
+        want = shape if name in TOKEN_FIELDS else shape[:1]
+        _check(arr.shape == want, name, f"shape {arr.shape} != expected {want}")
+        _check(arr.dtype == _DTYPES[name], name, f"dtype {arr.dtype} != expected {np.dtype(_DTYPES[name])}")
+    seg, mask = arrays["segment_ids"], arrays["loss_mask"]
+    _check(np.isin(mask, (0.0, 1.0)), "loss_mask", "values must be 0 or 1")
+    _check((mask == 0) | (seg > 0), "loss_mask", "is 1 on a padding position (segment_ids == 0)")
+    same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+    _check(
+        ~same | (arrays["target_ids"][:, :-1] == arrays["input_ids"][:, 1:]),
+        "target_ids",
+        "misaligned: target_ids[b, t] must equal input_ids[b, t+1] inside a segment",
+    )
+    _check(mask.sum(axis=1) > 0, "loss_mask", "a sequence row has no loss tokens")
+    logp = arrays["behavior_logp"]
+    _check(np.isfinite(logp), "behavior_logp", "non-finite value")
+    _check((mask == 0) | (logp <= 0.0), "behavior_logp", "log-prob > 0 on a loss token")
+    _check(np.isfinite(arrays["advantages"]), "advantages", "non-finite value")
+    _check(arrays["policy_version"] >= 0, "policy_version", "negative version")
+    if vocab_size is not None:
+        for name in ("input_ids", "target_ids"):
+            ids = arrays[name]
+            _check((ids >= 0) & (ids < vocab_size), name, f"token id outside [0, {vocab_size})")
+    return batch

@@ -1,0 +1,158 @@
+"""The typed config schema: conversion, unknown keys, types, choices, cross-field validation."""
+
+import dataclasses
+import importlib.util
+
+import pytest
+
+from rljax import config as C
+
+
+def load_config_file(name, preset=None):
+    spec = importlib.util.spec_from_file_location(f"cfg_{name}", f"configs/{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(preset)
+
+
+def test_roundtrip_defaults_is_identity():
+    cfg = C.from_config_dict(C.default_config_dict())
+    assert cfg == C.Config()
+    assert C.from_config_dict(C.to_dict(cfg)) == cfg
+
+
+def test_fixed_field_names_exist():
+    names = C.field_types()
+    for key in [
+        "trainer.steps",
+        "trainer.seed",
+        "trainer.max_staleness",
+        "mesh.data",
+        "mesh.fsdp",
+        "mesh.tensor",
+        "checkpoint.every_steps",
+        "model.path",
+        "rollout.engine",
+    ]:
+        assert key in names, key
+
+
+def test_unknown_key_names_it_and_suggests():
+    cd = C.default_config_dict().to_dict()
+    cd["trainer"]["stpes"] = 3
+    with pytest.raises(C.ConfigError) as e:
+        C.from_config_dict(cd)
+    assert e.value.field == "trainer.stpes"
+    assert "did you mean trainer.steps" in str(e.value)
+
+
+def test_wrong_type_is_rejected():
+    cd = C.default_config_dict().to_dict()
+    cd["trainer"]["steps"] = "ten"
+    with pytest.raises(C.ConfigError, match="trainer.steps: expected int"):
+        C.from_config_dict(cd)
+
+
+def test_int_is_accepted_for_float_but_bool_is_not_int():
+    cd = C.default_config_dict().to_dict()
+    cd["optim"]["learning_rate"] = 1
+    assert C.from_config_dict(cd).optim.learning_rate == 1.0
+    cd["trainer"]["steps"] = True
+    with pytest.raises(C.ConfigError, match="trainer.steps"):
+        C.from_config_dict(cd)
+
+
+def test_choice_field_lists_valid_values():
+    cd = C.default_config_dict().to_dict()
+    cd["algo"]["is_level"] = "tokens"
+    with pytest.raises(C.ConfigError, match="algo.is_level: 'tokens' is not one of 'none', 'token'"):
+        C.from_config_dict(cd)
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"optim.learning_rate": 0.0}, "optim.learning_rate"),
+        ({"optim.learning_rate": -1e-3}, "optim.learning_rate"),
+        ({"rollout.batch_size": 30, "rollout.group_size": 8}, "rollout.batch_size"),
+        ({"rollout.group_size": 1}, "rollout.group_size"),
+        ({"rollout.top_p": 1.5}, "rollout.top_p"),
+        ({"trainer.max_staleness": -1}, "trainer.max_staleness"),
+        ({"trainer.micro_batch_size": 5}, "trainer.micro_batch_size"),
+        ({"algo.dual_clip_c": 0.5}, "algo.dual_clip_c"),
+        ({"reward.weights": (1.0, 2.0)}, "reward.weights"),
+        ({"mesh.fsdp": 0}, "mesh.fsdp"),
+        ({"mesh.data": -1, "mesh.fsdp": -1}, "mesh"),
+        ({"algo.advantage": "gpro"}, "algo.advantage"),
+    ],
+)
+def test_validate_rejects_impossible_values(changes, field):
+    cfg = C.Config()
+    for key, value in changes.items():
+        section, name = key.split(".")
+        cfg = dataclasses.replace(
+            cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: value})}
+        )
+    with pytest.raises(C.ConfigError) as e:
+        C.validate(cfg)
+    assert e.value.field == field
+
+
+def test_mesh_shape_resolves_minus_one_and_checks_product():
+    assert C.mesh_shape(C.MeshConfig(data=2, fsdp=-1, tensor=2), 8) == {"data": 2, "fsdp": 2, "tensor": 2}
+    with pytest.raises(C.ConfigError, match="= 12, but there are 8 devices"):
+        C.mesh_shape(C.MeshConfig(data=3, fsdp=2, tensor=2), 8)
+    with pytest.raises(C.ConfigError, match="-1 cannot fill 8 devices"):
+        C.mesh_shape(C.MeshConfig(data=3, fsdp=-1, tensor=1), 8)
+
+
+def test_validate_runtime_rejects_missing_model(tmp_path):
+    cfg = C.Config(model=C.ModelConfig(path=str(tmp_path / "nope")))
+    with pytest.raises(C.ConfigError, match="model.path: no such directory"):
+        C.validate_runtime(cfg, 1)
+    (tmp_path / "empty").mkdir()
+    cfg = C.Config(model=C.ModelConfig(path=str(tmp_path / "empty")))
+    with pytest.raises(C.ConfigError, match="has no config.json"):
+        C.validate_runtime(cfg, 1)
+
+
+def test_parse_override_types():
+    assert C.parse_override("trainer.steps", "7") == 7
+    assert C.parse_override("optim.learning_rate", "3e-4") == 3e-4
+    assert C.parse_override("checkpoint.async_save", "false") is False
+    assert C.parse_override("model.path", "/x/y") == "/x/y"
+    assert C.parse_override("reward.functions", "('math', 'format')") == ("math", "format")
+    with pytest.raises(C.ConfigError, match="expected int"):
+        C.parse_override("trainer.steps", "seven")
+    with pytest.raises(C.ConfigError, match="did you mean algo.beta"):
+        C.parse_override("algo.bta", "0.1")
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "drgrpo", "gspo", "ppo"])
+def test_every_config_file_is_valid(name, monkeypatch):
+    monkeypatch.syspath_prepend(".")
+    cfg = C.validate(C.from_config_dict(load_config_file(name)))
+    assert cfg.trainer.steps > 0
+    assert C.validate(C.from_config_dict(load_config_file(name, "smoke"))).trainer.steps == 3
+
+
+def test_presets_change_only_a_few_fields(monkeypatch):
+    monkeypatch.syspath_prepend(".")
+    grpo = flat(C.to_dict(C.from_config_dict(load_config_file("grpo"))))
+    dapo = flat(C.to_dict(C.from_config_dict(load_config_file("dapo"))))
+    assert grpo.keys() == dapo.keys() == C.field_types().keys()
+    changed = [k for k in grpo if grpo[k] != dapo[k]]
+    assert 0 < len(changed) <= 6, changed
+
+
+def flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_unknown_preset_lists_valid(monkeypatch):
+    monkeypatch.syspath_prepend(".")
+    with pytest.raises(C.ConfigError, match="unknown preset 'big'; valid: smoke"):
+        load_config_file("grpo", "big")

@@ -1,0 +1,137 @@
+"""Enforces the dependency direction of HOUSE_STYLE.md by parsing every module's imports."""
+
+import ast
+import pathlib
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+STDLIB = set(sys.stdlib_module_names)
+
+# Pure layers: jax/numpy/optax and the stdlib only (plus the named rljax modules).
+PURE = {"jax", "numpy", "optax", "jaxtyping"}
+RULES = {
+    "rljax/algos": PURE | {"rljax.registry", "rljax.types"},
+    "rljax/types.py": PURE,
+    "rljax/registry.py": set(),
+    "kernels": PURE | {"rljax.registry", "rljax.kernels", "jax_triton", "triton"},
+    "rljax/models": PURE
+    | {
+        "flax",
+        "safetensors",
+        "rljax.models",
+        "rljax.kernels",
+        "rljax.sharding",
+        "rljax.registry",
+        "transformers",
+        "torch",
+        "tokenizers",
+        "ml_dtypes",
+    },
+    "rljax/sharding.py": PURE,
+    "rljax/trainer": PURE
+    | {
+        "flax",
+        "chex",
+        "rljax.trainer",
+        "rljax.algos",
+        "rljax.models",
+        "rljax.kernels",
+        "rljax.sharding",
+        "rljax.types",
+        "rljax.config",
+        "rljax.registry",
+    },
+}
+# Side-effect packages: only the host loop (and start-up, CLIs, and the packages themselves) touch these.
+HOST_ONLY = ["rljax.rollout", "rljax.weight_sync", "rljax.rewards", "rljax.checkpoint", "rljax.metrics"]
+HOST_MODULES = (
+    "rljax/loop",
+    "rljax/runtime.py",
+    "rljax/main.py",
+    "rljax/monitor.py",
+    "rljax/report.py",
+    "rljax/envs",
+    "rljax/preflight.py",
+    "rljax/launch.py",
+)
+
+
+def imports_of(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def allowed(name: str, allow: set[str]) -> bool:
+    top = name.split(".")[0]
+    if top in STDLIB and top != "rljax":
+        return True
+    return any(name == a or name.startswith(a + ".") for a in allow) or (top != "rljax" and top in allow)
+
+
+def files_under(rel: str):
+    p = REPO / rel
+    return [p] if p.is_file() else sorted(p.rglob("*.py"))
+
+
+@pytest.mark.parametrize("rel", sorted(RULES))
+def test_pure_layers_import_only_what_they_may(rel):
+    bad = []
+    for f in files_under(rel):
+        if f.name.startswith("bench_"):  # benchmarks are scripts, not the library layer
+            continue
+        for name in imports_of(f):
+            if (
+                name.startswith("rljax.")
+                and name.count(".") >= 2
+                and allowed(name.rsplit(".", 1)[0], RULES[rel])
+            ):
+                continue  # `from rljax.x import y` records both rljax.x and rljax.x.y
+            if not allowed(name, RULES[rel]):
+                bad.append(f"{f.relative_to(REPO)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_side_effect_packages_only_reached_from_the_host_loop():
+    bad = []
+    for f in sorted((REPO / "rljax").rglob("*.py")):
+        rel = str(f.relative_to(REPO))
+        if rel.startswith(HOST_MODULES):
+            continue
+        own = rel.replace("/", ".").removesuffix(".py")
+        for name in imports_of(f):
+            for pkg in HOST_ONLY:
+                if (name == pkg or name.startswith(pkg + ".")) and not own.startswith(pkg):
+                    bad.append(f"{rel} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_only_main_reads_flags():
+    bad = []
+    for f in sorted((REPO / "rljax").rglob("*.py")) + sorted((REPO / "kernels").rglob("*.py")):
+        rel = str(f.relative_to(REPO))
+        if rel in ("rljax/main.py",) or f.name.startswith("bench_"):
+            continue
+        names = imports_of(f)
+        if names & {"absl.flags", "ml_collections.config_flags"}:
+            bad.append(rel)
+    assert not bad, bad
+
+
+def test_no_top_level_kernels_module_is_installed():
+    import importlib.util
+
+    import rljax.kernels
+
+    assert pathlib.Path(rljax.kernels.__file__).parent == REPO / "kernels"
+    assert importlib.util.find_spec("kernels") is None or "site-packages" in str(
+        importlib.util.find_spec("kernels").origin
+    ), "a top-level `kernels` module shadows the distribution transformers looks for"

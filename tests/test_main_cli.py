@@ -1,0 +1,76 @@
+"""`python -m rljax.main` rejects bad input early: non-zero exit, one clear line, no traceback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_main(*args, timeout=120):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop has
+    return subprocess.run(
+        [sys.executable, "-m", "rljax.main", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_user_error(proc, *fragments):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("rljax: error:")]
+    assert len(lines) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        ("--config.trainer.stpes=3", ["trainer.stpes", "unknown config key", "did you mean trainer.steps"]),
+        ("--config.algo.bta=0.1", ["algo.bta", "did you mean algo.beta"]),
+        ("--config.trainer.steps=ten", ["trainer.steps", "expected int"]),
+        ("--config.optim.learning_rate=0", ["optim.learning_rate", "must be > 0"]),
+        ("--config.optim.learning_rate=-1e-4", ["optim.learning_rate", "must be > 0"]),
+        ("--config.rollout.batch_size=30", ["rollout.batch_size", "not divisible by rollout.group_size=8"]),
+        ("--config.algo.is_level=tokens", ["algo.is_level", "not one of"]),
+        ("--config.algo.advantage=gpro", ["algo.advantage", "valid:", "grpo"]),
+    ],
+)
+def test_bad_config_values(tmp_path, override, fragments):
+    proc = run_main("--config=configs/grpo.py", f"--workdir={tmp_path}", override)
+    assert_user_error(proc, *fragments)
+
+
+def test_mesh_not_matching_devices(tmp_path):
+    proc = run_main("--config=configs/grpo.py", f"--workdir={tmp_path}", "--config.mesh.fsdp=2")
+    assert_user_error(proc, "mesh", "but there are 1 devices")
+
+
+def test_missing_model_path(tmp_path):
+    proc = run_main(
+        "--config=configs/grpo.py", f"--workdir={tmp_path}", f"--config.model.path={tmp_path}/none"
+    )
+    assert_user_error(proc, "model.path", "no such directory")
+
+
+def test_missing_config_file(tmp_path):
+    proc = run_main("--config=configs/nope.py", f"--workdir={tmp_path}")
+    assert_user_error(proc, "no such config file")
+
+
+def test_unknown_preset(tmp_path):
+    proc = run_main("--config=configs/grpo.py:huge", f"--workdir={tmp_path}")
+    assert_user_error(proc, "unknown preset 'huge'")
+
+
+def test_missing_workdir():
+    proc = run_main("--config=configs/grpo.py")
+    assert_user_error(proc, "--workdir is required")
