@@ -1,0 +1,268 @@
+"""Hugging Face checkpoints: load (optionally straight into shardings), save, weight iteration, tokenizer.
+
+Every direction goes through the one table in `rljax.models.params` (`ParamEntry.to_hf` /
+`from_hf`), so checkpoint load, checkpoint save and weight sync cannot disagree on a name or layout.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, SingleDeviceSharding
+from safetensors import safe_open
+
+from rljax.models.config import ModelConfig
+from rljax.models.params import (
+    ParamEntry,
+    _nest,
+    get_path,
+    global_shape,
+    param_entries,
+    param_logical_axes,
+    param_table,
+)
+from rljax.sharding import logical_to_sharding
+
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "generation_config.json",
+)
+_DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
+
+
+def _hf_names(config: ModelConfig) -> Iterator[tuple[str, ParamEntry, int | None]]:
+    """(hf_name, entry, layer) for every HF tensor, in Hugging Face state-dict order."""
+    lead, per_layer, tail = param_table(config)
+    for e in lead:
+        yield e.hf_name, e, None
+    for layer in range(config.num_layers):
+        for e in per_layer:
+            yield e.hf_name.format(layer), e, layer
+    for e in tail:
+        yield e.hf_name, e, None
+
+
+def hf_tensor_specs(config: ModelConfig, dtype: Any = None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The expected Hugging Face state: `{hf_name: (shape, dtype name)}` in state-dict order.
+
+    Tied embeddings have no `lm_head.weight`. dtype defaults to `config.param_dtype`.
+    """
+    name = jnp.dtype(dtype or config.param_dtype).name
+    return {hf: (e.hf_shape, name) for hf, e, _ in _hf_names(config)}
+
+
+def iter_hf_tensors(config: ModelConfig, params: dict, dtype: Any = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Lazily yields `(hf_name, array)` in HF layout and dtype (default `config.param_dtype`), one tensor
+    at a time (one device->host transfer per tensor), every weight exactly once, in state-dict order.
+
+    Params must be fully addressable from this process (single-process or replicated shards).
+    """
+    np_dtype = jnp.dtype(dtype or config.param_dtype)
+    for hf, e, layer in _hf_names(config):
+        x = get_path(params, e.path)
+        x = np.asarray(x if layer is None else x[layer])
+        yield hf, e.to_hf(x).astype(np_dtype, copy=False)
+
+
+class _TensorSource:
+    """Name -> safetensors slice over one or more files (memory-mapped; reads only what is asked)."""
+
+    def __init__(self, path: Path):
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}")
+        self._handles = {f: safe_open(str(path / f), framework="np") for f in files}
+        self.file_of = {k: f for f, h in self._handles.items() for k in h.keys()}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return self._handles[self.file_of[name]].get_slice(name)[index]
+
+
+def _check_tensors(config: ModelConfig, source: _TensorSource, path: Path) -> None:
+    """Raises naming the first missing, extra or wrong-shaped tensor (and the expected shape)."""
+    specs = hf_tensor_specs(config)
+    for name, (shape, _) in specs.items():
+        if name not in source.file_of:
+            raise ValueError(f"{path}: missing tensor {name!r} (expected shape {shape})")
+        if source.shape(name) != shape:
+            raise ValueError(
+                f"{path}: tensor {name!r} has shape {source.shape(name)}, expected {shape} from the config"
+            )
+    # A tied checkpoint may still store lm_head.weight (transformers ignores it); anything else is an error.
+    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    extra = sorted(set(source.file_of) - set(specs) - ignorable)
+    if extra:
+        raise ValueError(
+            f"{path}: unexpected tensor {extra[0]!r} (shape {source.shape(extra[0])})"
+            f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}; not in a {config.family} model"
+        )
+
+
+def _read_block(source: _TensorSource, e: ParamEntry, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """Param block `index` (over `e.shape`) read from HF tensor `name`, touching only the rows it needs.
+
+    In each merged HF dim only the outer param dim's range is cut when reading; inner dims are cut after.
+    """
+    t_shape, t_index = e.transposed_shape, [index[p] for p in e.perm]
+    hf_index, block_shape, pos = [], [], 0
+    for g in e.groups:
+        inner = int(np.prod(t_shape[pos + 1 : pos + g], dtype=np.int64))
+        s = t_index[pos]
+        hf_index.append(slice(s.start * inner, s.stop * inner))
+        block_shape += [s.stop - s.start, *t_shape[pos + 1 : pos + g]]
+        pos += g
+    block = source.read(name, tuple(hf_index)).reshape(block_shape)
+    cut = tuple(slice(None) if i in _outer_dims(e.groups) else t_index[i] for i in range(len(t_shape)))
+    return np.transpose(block[cut], np.argsort(e.perm))
+
+
+def _outer_dims(groups: tuple[int, ...]) -> set[int]:
+    return {sum(groups[:i]) for i in range(len(groups))}
+
+
+def _build_param(config, source, e: ParamEntry, sharding, dtype) -> jax.Array:
+    shape = global_shape(config, e)
+    cache: dict[tuple, np.ndarray] = {}  # replicated shards ask for the same block: read it once
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in cache:
+            if e.per_layer:
+                rows = [_read_block(source, e, e.hf_name.format(i), index[1:]) for i in range(*key[0])]
+                cache[key] = np.stack(rows).astype(dtype, copy=False)
+            else:
+                cache[key] = _read_block(source, e, e.hf_name, index).astype(dtype, copy=False)
+        return cache[key]
+
+    return jax.make_array_from_callback(shape, sharding, block)
+
+
+def load_hf_checkpoint(
+    path: str | Path, *, dtype: Any = None, mesh: Mesh | None = None
+) -> tuple[ModelConfig, dict]:
+    """Loads a local Hugging Face checkpoint dir (config.json + model.safetensors, or sharded with
+    model.safetensors.index.json) -> (ModelConfig, params of jax.Arrays).
+
+    dtype: param dtype (default: the checkpoint's `dtype`/`torch_dtype`, else float32); also the
+    compute dtype (change it with `dataclasses.replace`). With `mesh`, every param is assembled
+    shard by shard into its `NamedSharding` (from `param_logical_axes`): each device's block is read
+    from the memory-mapped file, never a full copy per device. Without, params land on one device.
+    """
+    path = Path(path)
+    hf = json.loads((path / "config.json").read_text())
+    name = None if dtype is None else jnp.dtype(dtype).name
+    config = ModelConfig.from_hf_dict(hf, param_dtype=name, compute_dtype=name)
+    source = _TensorSource(path)
+    _check_tensors(config, source, path)
+    if mesh is not None:
+        shardings = logical_to_sharding(param_logical_axes(config), mesh)
+    np_dtype = jnp.dtype(config.param_dtype)
+    pairs = []
+    for e in param_entries(config):
+        s = get_path(shardings, e.path) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
+        pairs.append((e.path, _build_param(config, source, e, s, np_dtype)))
+    return config, _nest(pairs)
+
+
+def _write_safetensors(path: Path, names: list[str], specs: dict, tensors: Iterator) -> None:
+    """Streams tensors into one safetensors file whose header is written first from `specs`.
+
+    Format: u64 little-endian header length, JSON header (name -> dtype, shape, byte offsets), data.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for n in names:
+        shape, dt = specs[n]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dt).itemsize
+        header[n] = {"dtype": _ST_DTYPES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for n in names:
+            name, x = next(tensors)
+            assert name == n and x.shape == tuple(specs[n][0]), (name, n, x.shape)
+            f.write(np.ascontiguousarray(x).tobytes())
+
+
+def _plan_shards(specs: dict, max_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n, (shape, dt) in specs.items():
+        nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dt).itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes
+    return shards
+
+
+def save_hf_checkpoint(
+    config: ModelConfig,
+    params: dict,
+    path: str | Path,
+    *,
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Writes a Hugging Face checkpoint dir that transformers and vLLM load unchanged: config.json,
+    model.safetensors (or model-0000i-of-0000n.safetensors + index when larger than `max_shard_bytes`),
+    and tokenizer/chat-template/generation files copied from `tokenizer_dir`. Tensors stream to disk one
+    at a time (host memory: one tensor). Returns the path."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True))
+    specs = hf_tensor_specs(config)
+    shards = _plan_shards(specs, max_shard_bytes)
+    tensors = iter_hf_tensors(config, params)
+    if len(shards) == 1:
+        _write_safetensors(path / "model.safetensors", shards[0], specs, tensors)
+    else:
+        weight_map = {}
+        for i, names in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _write_safetensors(path / fname, names, specs, tensors)
+            weight_map.update(dict.fromkeys(names, fname))
+        total = sum(int(np.prod(s, dtype=np.int64)) * jnp.dtype(d).itemsize for s, d in specs.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if tokenizer_dir is not None:
+        for fname in _TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / fname).exists():
+                shutil.copyfile(Path(tokenizer_dir) / fname, path / fname)
+    return path
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The checkpoint's tokenizer (with its chat template) through `transformers.AutoTokenizer`."""
+    from transformers import AutoTokenizer  # lazy: only tokenizer loading needs transformers
+
+    return AutoTokenizer.from_pretrained(str(path))

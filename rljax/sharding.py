@@ -1,0 +1,134 @@
+"""The device mesh and the one table that maps logical axis names to mesh axes.
+
+Parameters and key activations carry logical axis names (`vocab`, `embed`, `mlp`, `heads`, `kv`,
+`batch`, `length`, ...); `LOGICAL_RULES` maps each to mesh axes of the mesh
+`("data", "fsdp", "tensor")`, and `logical_to_sharding` turns a tree of names into `NamedSharding`s.
+
+Divisibility: a mesh axis is dropped for a dimension whose size it does not divide (and a mesh axis
+is used at most once per array), so the same rules serve a 2-KV-head tiny model on 8 devices and a
+large model: such a dimension is then replicated over that mesh axis instead of failing to shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical name -> mesh axes, in order of preference (flax lm1b / t5x style, kept short on purpose).
+LOGICAL_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "length": (),
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "mlp": ("tensor",),
+    "heads": ("tensor",),
+    "kv": ("tensor",),
+    "head_dim": (),
+    "layers": (),
+    "norm": (),
+}
+
+
+class LogicalAxes(tuple):
+    """A tuple of logical axis names (one per array dimension) that also knows the array's shape.
+
+    A pytree *leaf* (a tuple subclass is not a JAX pytree node), equal to the plain tuple of its names;
+    `shape` lets `logical_to_sharding` skip mesh axes that do not divide a dimension.
+    """
+
+    shape: tuple[int, ...] | None
+
+    def __new__(cls, names: Sequence[str | None], shape: Sequence[int] | None = None):
+        obj = super().__new__(cls, tuple(names))
+        if shape is not None and len(shape) != len(obj):
+            raise ValueError(f"logical axes {tuple(names)} do not match shape {tuple(shape)}")
+        obj.shape = None if shape is None else tuple(int(s) for s in shape)
+        return obj
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
+    """A `Mesh` with axes `("data", "fsdp", "tensor")` over `devices` (default: all devices).
+
+    One size may be -1 (the rest of the devices). The product of the sizes must equal the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sum(s == -1 for s in sizes) > 1:
+        raise ValueError(f"at most one mesh size may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
+    if any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh sizes must be positive or -1, got data={data} fsdp={fsdp} tensor={tensor}")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(
+                f"mesh data={data} fsdp={fsdp} tensor={tensor}: {len(devices)} devices are not "
+                f"divisible by {known}"
+            )
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(
+            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = {math.prod(sizes)} devices, "
+            f"but {len(devices)} devices are available"
+        )
+    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES)
+
+
+def logical_to_spec(
+    names: Sequence[str | None],
+    mesh: Mesh,
+    rules: dict[str, tuple[str, ...]] = LOGICAL_RULES,
+    shape: Sequence[int] | None = None,
+) -> PartitionSpec:
+    """PartitionSpec for one array whose dimensions carry logical `names` (None = replicated).
+
+    Mesh axes of size 1, mesh axes already used by an earlier dimension and (when `shape` is known,
+    given or from a `LogicalAxes`) mesh axes that do not divide the dimension are skipped.
+    """
+    if shape is None:
+        shape = getattr(names, "shape", None)
+    used: set[str] = set()
+    spec = []
+    for dim, name in enumerate(names):
+        if name is not None and name not in rules:
+            raise KeyError(f"unknown logical axis {name!r}; rules know: {', '.join(sorted(rules))}")
+        axes = []
+        size = None if shape is None else shape[dim]
+        for axis in rules[name] if name is not None else ():
+            n = mesh.shape[axis]
+            if (
+                n == 1
+                or axis in used
+                or (size is not None and size % (n * math.prod(mesh.shape[a] for a in axes)))
+            ):
+                continue
+            axes.append(axis)
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return PartitionSpec(*spec)
+
+
+def logical_to_sharding(
+    logical_axes_tree: Any, mesh: Mesh, rules: dict[str, tuple[str, ...]] = LOGICAL_RULES
+) -> Any:
+    """Tree of tuples of logical names (e.g. `rljax.models.param_logical_axes(config)`) -> the same tree
+    of `NamedSharding`s on `mesh` (see `logical_to_spec` for the skipping rules)."""
+    return jax.tree.map(
+        lambda names: NamedSharding(mesh, logical_to_spec(names, mesh, rules)),
+        logical_axes_tree,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def logical_constraint(
+    x: jax.Array, names: Sequence[str | None], mesh: Mesh, rules: dict[str, tuple[str, ...]] = LOGICAL_RULES
+) -> jax.Array:
+    """`with_sharding_constraint` of an activation `x` by logical names (inside jit)."""
+    spec = logical_to_spec(names, mesh, rules, shape=x.shape)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
