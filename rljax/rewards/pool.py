@@ -15,9 +15,11 @@ import logging
 import math
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
@@ -64,6 +66,11 @@ class _Worker:
         env = dict(os.environ)
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        # Its own temp dir (traversable by the sandbox user), removed on kill: a worker killed mid-run
+        # cannot clean up its sandbox directories itself.
+        self.tmpdir = tempfile.mkdtemp(prefix="rljax-reward-worker-")
+        os.chmod(self.tmpdir, 0o711)
+        env["TMPDIR"] = self.tmpdir
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rljax.rewards._worker", str(child.fileno())],
             pass_fds=(child.fileno(),),
@@ -90,6 +97,7 @@ class _Worker:
         self.proc.kill()
         self.proc.wait()
         self.conn.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 class RewardPool:

@@ -6,6 +6,8 @@ Layers, strongest available first (chosen once per process by probing that each 
   left inside, including fork-bomb children that escaped the process group with `setsid`);
 - otherwise an audit hook inside the child that refuses non-Unix sockets and exec of other programs;
 - privileges dropped to `nobody` with `setpriv` *before* the interpreter starts, when running as root;
+- SIGKILL to the sandbox (parent-death signal) if the calling thread dies, so a killed caller leaves no
+  sandbox behind;
 - RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE (also caps stdout/stderr, which go to files), RLIMIT_NPROC and
   RLIMIT_CORE=0;
 - a private temporary working directory, a clean environment, and SIGKILL to the whole process group on
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -121,6 +124,10 @@ def _plans() -> dict[str, _Plan]:
     expect_uid = pwd.getpwnam("nobody").pw_uid if user == "nobody" and drop else None
     map_root = os.geteuid() != 0  # unprivileged: a user namespace is needed to create the others
     net_ns, pid_ns = _namespace_prefix(True, map_root), _namespace_prefix(False, map_root)
+    # SIGKILL to the launcher if our thread dies (e.g. a reward worker killed mid-run); with --kill-child
+    # that takes the whole PID namespace down.
+    setpriv = shutil.which("setpriv")
+    guards = ([[setpriv, "--pdeathsig", "SIGKILL", "--"]] if setpriv else []) + [[]]
     candidates = {
         "namespace": [(net_ns + drop, user), (net_ns, me)] if net_ns else [],
         "audit": [(pid_ns + drop, user), (drop, user), (pid_ns, me), ([], me)],
@@ -129,17 +136,12 @@ def _plans() -> dict[str, _Plan]:
     plans: dict[str, _Plan] = {}
     for network, options in candidates.items():
         tried = set()
-        for prefix, who in options:
-            for python in pythons:
-                plan = _Plan(tuple(prefix), python, network == "audit", network, who)
-                if plan in tried:
-                    continue
-                tried.add(plan)
-                if _probe(plan, expect_uid if who == "nobody" else None):
-                    plans[network] = plan
-                    break
-            if network in plans:
+        for (prefix, who), guard, python in itertools.product(options, guards, pythons):
+            plan = _Plan(tuple(guard + prefix), python, network == "audit", network, who)
+            if plan not in tried and _probe(plan, expect_uid if who == "nobody" else None):
+                plans[network] = plan
                 break
+            tried.add(plan)
     if "audit" not in plans:
         raise RuntimeError(
             "sandbox: no working launch plan (even a plain subprocess with the audit hook failed)"
