@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -124,3 +125,24 @@ def test_prometheus_endpoint_over_real_http(tmp_path):
     assert samples['rljax_metric{name="reward/mean"}'] == "0.75"  # the last step's value
     assert 'rljax_metric{name="kl/mean"}' not in samples  # null (NaN) is left out
     assert "# TYPE rljax_step gauge" in body
+
+
+def test_live_view_with_prometheus_flag_and_ctrl_c(tmp_path):
+    _two_processes(tmp_path, stale_age_s=120.0)
+    args = ["--interval", "0.2", "--stall-after", "60", "--prometheus-port", "0"]
+    cmd = [sys.executable, "-u", "-m", "rljax.monitor", str(tmp_path), *args]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        banner = proc.stderr.readline()
+        assert banner.startswith("Prometheus metrics at http://127.0.0.1:"), banner
+        with urllib.request.urlopen(banner.split()[-1], timeout=10) as resp:
+            assert 'rljax_stalled{process="1"} 1' in resp.read().decode()
+        first = [proc.stdout.readline() for _ in range(5)]  # title, header, 2 rows, summary
+        assert first[3].split()[-1] == "STALLED" and first[4].startswith("2 processes, 1 stalled")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0  # Ctrl-C ends the live view cleanly
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -64,22 +64,15 @@ def test_missing_metrics_are_skipped_and_nulls_tolerated(tmp_path):
 
 
 def test_report_cli(tmp_path):
-    write_run(tmp_path / "run1", 6)
-    write_run(tmp_path / "run2", 6)
+    write_run(tmp_path / "run1", 3, full=False)  # reward and timings only: 2 panels
+    write_run(tmp_path / "run2", 3, full=False)
     out = tmp_path / "cli.png"
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "MPLBACKEND": "Agg"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "rljax.report",
-        str(tmp_path / "run1"),
-        str(tmp_path / "run2"),
-        "--out",
-        str(out),
-    ]
+    runs = [str(tmp_path / "run1"), str(tmp_path / "run2")]
+    cmd = [sys.executable, "-m", "rljax.report", *runs, "--out", str(out), "--dpi", "30"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
-    assert "2 runs" in done.stdout and png_size(out) == (1000, 1560)
+    assert "2 runs; panels: reward, timings" in done.stdout and png_size(out) == (300, 156)
     bad_cmd = [*cmd[:3], str(tmp_path / "nowhere"), "--out", str(out)]
     bad = subprocess.run(bad_cmd, capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "no metrics.jsonl" in bad.stderr
