@@ -14,8 +14,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b in f32; IEEE selects true f32 products (f32 inputs; TF32 would break 1e-5 parity)."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D: tl.constexpr, BN: tl.constexpr,
-                BV: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                BV: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """f32[BN, BV] = hidden[rows] @ unembed[cols].T (masked rows/cols read as 0)."""
     acc = tl.zeros((BN, BV), dtype=tl.float32)
     for k in range(0, D, BD):
@@ -23,14 +33,14 @@ def _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D: tl.constexpr, BN: t
         k_ok = ks < D
         h = tl.load(h_ptr + rows[:, None] * D + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None] * D + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(h, tl.trans(w), input_precision=PREC)
+        acc += _dot(h, tl.trans(w), IEEE)
     return acc
 
 
 @triton.jit
 def forward_kernel(h_ptr, w_ptr, m_ptr, s_ptr, u_ptr, N: tl.constexpr, V: tl.constexpr, D: tl.constexpr,
                    SCALE: tl.constexpr, BLOCKS_PER_PROG: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-                   BN: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                   BN: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """Partial online-softmax stats (m, s, u) of row block pid 0 over vocab split pid 1, into [splits, N]."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -42,7 +52,7 @@ def forward_kernel(h_ptr, w_ptr, m_ptr, s_ptr, u_ptr, N: tl.constexpr, V: tl.con
     for b in range(BLOCKS_PER_PROG):
         cols = ((pid_s * BLOCKS_PER_PROG + b) * BV + tl.arange(0, BV)).to(tl.int64)
         col_ok = cols < V
-        z = _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, BN, BV, BD, PREC) * SCALE
+        z = _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, BN, BV, BD, IEEE) * SCALE
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         alpha = tl.exp(m - m_new)
@@ -62,14 +72,14 @@ def forward_kernel(h_ptr, w_ptr, m_ptr, s_ptr, u_ptr, N: tl.constexpr, V: tl.con
 @triton.jit
 def backward_kernel(h_ptr, w_ptr, t_ptr, lse_ptr, g_ptr, c0_ptr, c1_ptr, dh_ptr, dw_ptr, N: tl.constexpr,
                     V: tl.constexpr, D: tl.constexpr, SCALE: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-                    BN: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                    BN: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """Recomputes one logit tile, forms dz, and atomically adds dz @ W into dh and dz.T @ h into dw (f32,
     zero-initialised by the caller)."""
     rows = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     cols = (tl.program_id(1) * BV + tl.arange(0, BV)).to(tl.int64)
     row_ok = rows < N
     col_ok = cols < V
-    z = _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, BN, BV, BD, PREC) * SCALE
+    z = _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, BN, BV, BD, IEEE) * SCALE
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
     coef = tl.load(c0_ptr + rows, mask=row_ok, other=0.0)[:, None]
@@ -84,7 +94,7 @@ def backward_kernel(h_ptr, w_ptr, t_ptr, lse_ptr, g_ptr, c0_ptr, c1_ptr, dh_ptr,
         k_ok = ks < D
         h = tl.load(h_ptr + rows[:, None] * D + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None] * D + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        dh_part = tl.dot(dz, w, input_precision=PREC)
+        dh_part = _dot(dz, w, IEEE)
         tl.atomic_add(dh_ptr + rows[:, None] * D + ks[None, :], dh_part, mask=row_ok[:, None] & k_ok[None, :])
-        dw_part = tl.dot(tl.trans(dz), h, input_precision=PREC)
+        dw_part = _dot(tl.trans(dz), h, IEEE)
         tl.atomic_add(dw_ptr + cols[:, None] * D + ks[None, :], dw_part, mask=col_ok[:, None] & k_ok[None, :])

@@ -154,9 +154,11 @@ def make_fused(forward_stats: Callable[..., Any], backward_grads: Callable[..., 
         return dh.astype(hidden.dtype), dw.astype(unembed.dtype), None
 
     fused.defvjp(fused_fwd, fused_bwd)
+    # Jitted so eager calls compile once per shape instead of dispatching the chunk loop op by op.
+    fused_jit = jax.jit(fused, static_argnums=(3, 4, 5))
 
     def call(hidden, unembed, targets, *, scale, with_entropy, block_size):
-        out = fused(hidden, unembed, targets, scale, with_entropy, block_size)
+        out = fused_jit(hidden, unembed, targets, scale, with_entropy, block_size)
         return out if with_entropy else (out, None)
 
     return call

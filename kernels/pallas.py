@@ -39,10 +39,11 @@ def _interpret() -> bool:
 
 
 def _blocks(n_rows: int, vocab: int, block_size: int | None) -> tuple[int, int]:
-    """(row block, vocab block): multiples of 8, no larger than needed."""
+    """(row block, vocab block): powers of two >= 8 (the Pallas GPU lowering needs powers of two), no
+    larger than needed."""
     row_cap, vocab_cap = (CPU_ROW_BLOCK, CPU_VOCAB_BLOCK) if _interpret() else (ROW_BLOCK, VOCAB_BLOCK)
-    round8 = lambda x: -(-x // 8) * 8
-    return min(row_cap, round8(n_rows)), min(block_size or vocab_cap, round8(vocab))
+    pow2 = lambda x: max(8, 1 << (x - 1).bit_length())
+    return min(row_cap, pow2(n_rows)), min(pow2(block_size or vocab_cap), pow2(vocab))
 
 
 def _zero_past(x: jax.Array, first: jax.Array, limit: int) -> jax.Array:

@@ -50,8 +50,8 @@ def _vocab_tile(block_size: int | None) -> int:
     return max(16, 1 << (max(block_size or BV, 1) - 1).bit_length())
 
 
-def _precision(dtype) -> str:
-    return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"  # f32 parity needs real f32 products
+def _ieee(dtype) -> bool:
+    return jnp.dtype(dtype) == jnp.float32  # f32 parity needs real f32 products, not TF32
 
 
 def triton_forward_stats(hidden, unembed, scale, with_entropy, block_size):
@@ -67,7 +67,7 @@ def triton_forward_stats(hidden, unembed, scale, with_entropy, block_size):
     m, s, u = _triton_call(
         tk.forward_kernel, hidden, unembed, out=[f32, f32, f32], grid=(-(-n_rows // BN), splits),
         N=n_rows, V=vocab, D=dim, SCALE=float(scale), BLOCKS_PER_PROG=per_prog, WITH_ENTROPY=with_entropy,
-        BN=BN, BV=bv, BD=BD, PREC=_precision(hidden.dtype),
+        BN=BN, BV=bv, BD=BD, IEEE=_ieee(hidden.dtype),
     )  # fmt: skip
     stats = (m[0], s[0], u[0])
     for k in range(1, splits):  # splits is small (V / (BV * BLOCKS_PER_PROG)); a static unrolled merge
@@ -88,7 +88,7 @@ def triton_backward_grads(hidden, unembed, targets, lse, g_logp, c0, c1, scale, 
              jax.ShapeDtypeStruct((vocab, dim), jnp.float32)],
         grid=(-(-n_rows // BN), -(-vocab // bv)), zeroed=(0, 1),
         N=n_rows, V=vocab, D=dim, SCALE=float(scale), WITH_ENTROPY=c1 is not None,
-        BN=BN, BV=bv, BD=BD, PREC=_precision(hidden.dtype),
+        BN=BN, BV=bv, BD=BD, IEEE=_ieee(hidden.dtype),
     )  # fmt: skip
     return dh, dw
 

@@ -78,23 +78,20 @@ def test_registry_lists_every_impl():
 
 def test_golden_values():
     # logits [2, 0, 0] / T with T = 2 -> [1, 0, 0]; logsumexp = log(e + 2).
-    hidden = jnp.array([[2.0, 0.0]], jnp.float32)
+    hidden = jnp.array([[2.0, 0.0], [2.0, 0.0]], jnp.float32)
     unembed = jnp.array([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]], jnp.float32)
+    targets = jnp.array([0, 2])
     lse = math.log(math.e + 2.0)
     p = np.array([math.e, 1.0, 1.0]) / (math.e + 2.0)
     want_entropy = -float(np.sum(p * np.log(p)))
     for impl in ("reference", "xla", "pallas"):
-        for target, want in ((0, 1.0 - lse), (2, -lse)):
-            lp, ent = token_logprobs(
-                hidden, unembed, jnp.array([target]), temperature=2.0, return_entropy=True, impl=impl
-            )
-            np.testing.assert_allclose(lp, [want], rtol=1e-6)
-            np.testing.assert_allclose(ent, [want_entropy], rtol=1e-6)
-    # d logp_0 / d hidden = (W_0 - sum_j p_j W_j) / T
-    grad = jax.grad(lambda h: token_logprobs(h, unembed, jnp.array([0]), temperature=2.0, impl="xla")[0])(
-        hidden
-    )
+        lp, ent = token_logprobs(hidden, unembed, targets, temperature=2.0, return_entropy=True, impl=impl)
+        np.testing.assert_allclose(lp, [1.0 - lse, -lse], rtol=1e-6)
+        np.testing.assert_allclose(ent, [want_entropy] * 2, rtol=1e-6)
+    # d logp_0 / d hidden_0 = (W_0 - sum_j p_j W_j) / T; row 1 does not enter logp_0.
+    grad = jax.grad(lambda h: token_logprobs(h, unembed, targets, temperature=2.0, impl="xla")[0])(hidden)
     np.testing.assert_allclose(grad[0], (unembed[0] - p @ np.asarray(unembed)) / 2.0, rtol=1e-6)
+    np.testing.assert_array_equal(grad[1], 0.0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}-d{}-V{}-b{}-T{}-ent{}".format(*c))
@@ -168,6 +165,23 @@ def test_no_vocab_sized_logits_in_xla_program():
     assert not [s for s in seen if n in s and v in s]  # ...and no [N, V] array anywhere
     ref = jax.make_jaxpr(lambda h, w: token_logprobs(h, w, targets, impl="reference"))(hidden, unembed)
     assert (n, v) in set(shapes(ref.jaxpr))  # the walker does find [N, V] where it exists
+
+
+def test_xla_on_8_devices_matches_one_device():
+    # Token rows sharded over the 8 simulated CPU devices (data parallel), unembed replicated.
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    hidden, unembed, targets, g_logp, g_ent = make_inputs(64, 16, 301, seed=6)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    sharded = [jax.device_put(x, rows) for x in (hidden, targets, g_logp, g_ent)]
+    replicated = jax.device_put(unembed, NamedSharding(mesh, PartitionSpec()))
+    h8, t8, gl8, ge8 = sharded
+    (lp, ent), (dh, dw) = value_and_grads("xla", h8, replicated, t8, gl8, ge8, 0.8, True, 64)
+    (lp1, ent1), (dh1, dw1) = value_and_grads("xla", hidden, unembed, targets, g_logp, g_ent, 0.8, True, 64)
+    assert len(dh.sharding.device_set) == 8
+    for a, b in ((lp, lp1), (ent, ent1), (dh, dh1), (dw, dw1)):
+        assert rel_err(a, b) <= RTOL
 
 
 def test_xla_needs_16x_less_temp_memory_at_qwen_head_size():
