@@ -1,0 +1,52 @@
+"""Sharded, pure-functional train steps for the GRPO family and PPO.
+
+Build once, outside jit, from the typed Config:
+  optimizer = make_optimizer(cfg.optim, total_optimizer_steps(cfg))
+  state = init_train_state(cfg, model_config, params, mesh)
+  update = make_update(cfg, model_config, mesh)          # or make_ppo_update for algo.family == "ppo"
+  state, metrics = update(state, shard_batch(loss_inputs, mesh), ref_params)
+"""
+
+from rljax.trainer.batch import TrainBatch
+from rljax.trainer.logprobs import make_logprob_fn, sequence_logprobs
+from rljax.trainer.optim import make_optimizer, make_schedule, total_optimizer_steps
+from rljax.trainer.ppo import critic_values, make_ppo_train_step, make_ppo_update, token_rewards
+from rljax.trainer.state import (
+    NonFiniteError,
+    TrainState,
+    batch_sharding,
+    check_nonfinite,
+    init_critic_params,
+    init_train_state,
+    param_shardings,
+    put_global,
+    shard_batch,
+    shard_local_batch,
+)
+from rljax.trainer.step import make_train_step
+from rljax.trainer.update import make_update
+
+__all__ = [
+    "NonFiniteError",
+    "TrainBatch",
+    "TrainState",
+    "batch_sharding",
+    "check_nonfinite",
+    "critic_values",
+    "init_critic_params",
+    "init_train_state",
+    "make_logprob_fn",
+    "make_optimizer",
+    "make_ppo_train_step",
+    "make_ppo_update",
+    "make_schedule",
+    "make_train_step",
+    "make_update",
+    "param_shardings",
+    "put_global",
+    "sequence_logprobs",
+    "shard_batch",
+    "shard_local_batch",
+    "token_rewards",
+    "total_optimizer_steps",
+]

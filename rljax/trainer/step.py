@@ -1,0 +1,232 @@
+"""The GRPO-family train step: one optimizer step on a minibatch, as a pure sharded function.
+
+Loss (per minibatch, each term aggregated by `algo.aggregation` with the minibatch's normalizers):
+  policy  = agg(policy_loss(logp, old_logp, A) * w_IS)     w_IS = importance_weights(old_logp, behavior_logp)
+  kl      = beta * agg(KL(logp, ref_logp))                  only when algo.beta > 0
+  entropy = -entropy_coef * agg(entropy)                    only when algo.entropy_coef != 0
+  total   = policy + kl + entropy
+The IS weights correct the trainer-vs-rollout-engine mismatch (they depend on no parameter, so they
+are computed once per minibatch, not per micro-batch).
+
+References: Shao et al. 2024, "DeepSeekMath" (GRPO); Schulman et al. 2017 (PPO clipped objective);
+Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (truncated IS).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from rljax import algos
+from rljax.config import Config
+from rljax.trainer.accumulate import accumulate_gradients, guarded_update, is_finite
+from rljax.trainer.batch import TrainBatch
+from rljax.trainer.logprobs import sequence_logprobs
+from rljax.trainer.optim import make_optimizer, make_schedule, total_optimizer_steps
+from rljax.trainer.state import (
+    TrainState,
+    batch_sharding,
+    param_shardings,
+    replicated,
+    resolve_model_config,
+    state_shardings,
+)
+
+LossFn = Callable[[Any, TrainBatch, dict], tuple[jax.Array, dict]]
+
+
+def normalizers(batch: TrainBatch) -> dict:
+    """Global normalizers of a minibatch for the aggregations: token count, sequence rows, max length."""
+    mask = batch.inputs.loss_mask
+    return {
+        "num_tokens": jnp.maximum(mask.sum(), 1.0),
+        "num_seqs": mask.shape[0],
+        "max_len": mask.shape[1],
+    }
+
+
+def make_policy_loss(cfg: Config, model_config: Any) -> LossFn:
+    """`loss_fn(params, micro_batch, norms) -> (loss f32[], sums)` for the policy (GRPO family and PPO actor).
+
+    `sums` holds linear accumulators (exact over micro-batches): the loss terms, token sums of KL and
+    entropy, and the policy loss's metrics weighted by the micro-batch token count.
+    """
+    a = cfg.algo
+    policy_loss = functools.partial(algos.POLICY_LOSSES.get(a.policy_loss), **algos_policy_options(cfg))
+    aggregate = algos.LOSS_AGGREGATIONS.get(a.aggregation)
+    kl_fn = algos.KL_ESTIMATORS.get(a.kl_estimator) if a.beta > 0 else None
+    model_config, impl = resolve_model_config(cfg, model_config), cfg.trainer.logprob_impl
+
+    def loss_fn(params, mb: TrainBatch, norms: dict):
+        mask = mb.inputs.loss_mask
+        logp, entropy = sequence_logprobs(model_config, params, mb.inputs, impl=impl)
+        pg_tok, pg_metrics = policy_loss(logp, mb.old_logp, mb.advantages, mask)
+        pg = aggregate(pg_tok * mb.is_weights, mask, **norms)
+        ntok = mask.sum()
+        sums = {f"policy/{k}": v * ntok for k, v in pg_metrics.items()}
+        sums |= {"loss/policy": pg, "tok/entropy": (entropy * mask).sum()}
+        total = pg
+        if kl_fn is not None:
+            kl_tok = kl_fn(logp, mb.ref_logp)
+            kl_loss = a.beta * aggregate(kl_tok, mask, **norms)
+            sums |= {"loss/kl": kl_loss, "tok/kl": (kl_tok * mask).sum()}
+            total = total + kl_loss
+        if a.entropy_coef:
+            ent_loss = algos.entropy_bonus(
+                entropy, mask, coef=a.entropy_coef, aggregation=a.aggregation, **norms
+            )
+            sums["loss/entropy"] = ent_loss
+            total = total + ent_loss
+        sums["loss/total"] = total
+        return total, sums
+
+    return loss_fn
+
+
+def algos_policy_options(cfg: Config) -> dict:
+    """Keyword options of the configured policy loss (bound once, outside jit)."""
+    a = cfg.algo
+    return {"clip_low": a.clip_low, "clip_high": a.clip_high, "dual_clip_c": a.dual_clip_c}
+
+
+def with_importance_weights(cfg: Config, batch: TrainBatch) -> tuple[TrainBatch, dict]:
+    """Sets `batch.is_weights f32[B,T]` from old (trainer) vs behaviour log-probs; returns IS metrics."""
+    a = cfg.algo
+    weights, metrics = algos.importance_weights(
+        batch.old_logp,
+        batch.inputs.behavior_logp,
+        batch.inputs.loss_mask,
+        level=a.is_level,
+        mode=a.is_mode,
+        cap=a.is_cap,
+    )
+    return batch.replace(is_weights=jax.lax.stop_gradient(weights)), metrics
+
+
+def policy_metrics(sums: dict, num_tokens: jax.Array) -> dict:
+    """Scalar policy metrics from accumulated sums: loss terms, kl/entropy means, clip fractions."""
+    out = {k: sums.get(k, jnp.zeros(())) for k in ("loss/total", "loss/policy", "loss/kl", "loss/entropy")}
+    out["kl/mean"] = sums.get("tok/kl", jnp.zeros(())) / num_tokens
+    out["entropy/mean"] = sums["tok/entropy"] / num_tokens
+    for k, v in sums.items():
+        if k.startswith("policy/"):
+            out[CLIP_METRIC_NAMES.get(k, k)] = v / num_tokens
+    return out
+
+
+# Names of the policy losses' metrics (token-weighted means) -> trainer metric names; others keep
+# their name under "policy/".
+CLIP_METRIC_NAMES = {
+    "policy/clip_frac_low": "clip/frac_low",
+    "policy/clip_frac_high": "clip/frac_high",
+    "policy/dual_clip_frac": "clip/frac_dual",
+}
+
+
+def optimizer_metrics(grad_norm, finite, lr, skipped) -> dict:
+    return {
+        "optim/grad_norm": grad_norm,
+        "optim/lr": jnp.asarray(lr, jnp.float32),
+        "optim/skipped_steps": skipped.astype(jnp.float32),
+        "optim/nonfinite": 1.0 - finite.astype(jnp.float32),
+    }
+
+
+def advance(state: TrainState, finite: jax.Array, **changes) -> TrainState:
+    """Step counter and consecutive-skip counter after a (possibly skipped) update."""
+    return state.replace(
+        step=state.step + finite.astype(jnp.int32),
+        nonfinite_count=jnp.where(finite, 0, state.nonfinite_count + 1).astype(jnp.int32),
+        **changes,
+    )
+
+
+def num_micro_batches(cfg: Config, rows: int) -> int:
+    """Micro-batches per minibatch of `rows` sequences (trainer.micro_batch_size; 0 = whole)."""
+    micro = cfg.trainer.micro_batch_size or rows
+    if rows % micro:
+        raise ValueError(f"trainer.micro_batch_size={micro} does not divide the minibatch of {rows} rows")
+    return rows // micro
+
+
+def make_grpo_step_fn(
+    cfg: Config, model_config: Any, mesh: Mesh, optimizer: optax.GradientTransformation
+) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
+    """The un-jitted GRPO-family step `(state, batch) -> (state, metrics)` (see make_train_step)."""
+    loss_fn = make_policy_loss(cfg, model_config)
+    schedule = make_schedule(cfg.optim, total_optimizer_steps(cfg))
+
+    def step(state: TrainState, batch: TrainBatch):
+        norms = normalizers(batch)
+        batch, is_metrics = with_importance_weights(cfg, batch)
+        micro = num_micro_batches(cfg, batch.num_rows)
+        fn = lambda p, mb: loss_fn(p, mb, norms)
+        grads, sums = accumulate_gradients(fn, state.params, batch, micro, mesh)
+        grad_norm = optax.global_norm(grads)
+        finite = is_finite(sums["loss/total"], grad_norm)
+        params, opt_state = guarded_update(optimizer, state.params, state.opt_state, grads, finite)
+        new_state = advance(state, finite, params=params, opt_state=opt_state)
+        metrics = policy_metrics(sums, norms["num_tokens"]) | is_metrics_out(is_metrics)
+        metrics |= optimizer_metrics(grad_norm, finite, schedule(state.step), new_state.nonfinite_count)
+        return new_state, metrics
+
+    return step
+
+
+def is_metrics_out(metrics: dict) -> dict:
+    """`importance_weights` metrics (`is_weight_mean`, ...) under the trainer's names (`is/weight_mean`,
+    `is/weight_max`, `is/frac_capped`); computed on the whole minibatch, so exact."""
+    return {"is/" + k.removeprefix("is_"): jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+
+
+def jit_step(
+    step: Callable, shardings: TrainState, mesh: Mesh
+) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
+    """`jax.jit(step)` with explicit shardings (state in = state out = `shardings`, batch rows over
+    (data, fsdp), metrics replicated) and the input state donated."""
+    return jax.jit(
+        step,
+        in_shardings=(shardings, batch_sharding(mesh)),
+        out_shardings=(shardings, replicated(mesh)),
+        donate_argnums=0,
+    )
+
+
+def make_train_step(
+    cfg: Config, model_config: Any, mesh: Mesh, *, optimizer: optax.GradientTransformation | None = None
+) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
+    """Jitted GRPO-family step `(state, batch) -> (state, metrics)`; the input state is donated.
+
+    One optimizer step on the minibatch `batch` (rows `[B]`, sharded over data x fsdp), with exact
+    gradient accumulation over `B / trainer.micro_batch_size` micro-batches. A non-finite loss or
+    gradient leaves params and optimizer state unchanged and bumps `state.nonfinite_count`.
+    Metrics (replicated f32[] scalars): loss/total, loss/policy, loss/kl, loss/entropy, kl/mean,
+    entropy/mean, clip/frac_low, clip/frac_high, is/weight_mean, is/weight_max, is/frac_capped,
+    optim/grad_norm (before clipping), optim/lr, optim/skipped_steps, optim/nonfinite.
+    """
+    if optimizer is None:
+        optimizer = make_optimizer(cfg.optim, total_optimizer_steps(cfg))
+    shardings = state_shardings(resolve_model_config(cfg, model_config), mesh, optimizer)
+    return jit_step(make_grpo_step_fn(cfg, model_config, mesh, optimizer), shardings, mesh)
+
+
+def make_grad_fn(cfg: Config, model_config: Any, mesh: Mesh) -> Callable[[Any, TrainBatch], tuple[Any, dict]]:
+    """Jitted `fn(params, batch) -> (grads, metrics)`: the GRPO-family step's accumulated gradient
+    (same micro-batching, no update) and its policy metrics. For tests and gradient diagnostics."""
+    loss_fn = make_policy_loss(cfg, model_config)
+
+    def grad_fn(params, batch: TrainBatch):
+        norms = normalizers(batch)
+        batch, _ = with_importance_weights(cfg, batch)
+        fn = lambda p, mb: loss_fn(p, mb, norms)
+        grads, sums = accumulate_gradients(fn, params, batch, num_micro_batches(cfg, batch.num_rows), mesh)
+        return grads, policy_metrics(sums, norms["num_tokens"])
+
+    p_sh = param_shardings(resolve_model_config(cfg, model_config), mesh)
+    return jax.jit(grad_fn, in_shardings=(p_sh, batch_sharding(mesh)), out_shardings=(p_sh, replicated(mesh)))

@@ -1,0 +1,129 @@
+"""Host side of an update: old/reference log-probs, epochs x minibatches of train steps, the skip check.
+
+`make_update(cfg, ...)` returns `update(state, batch, ref_params=None) -> (state, metrics)` for one
+rollout batch. Everything numeric happens in jitted functions; this module only sequences them,
+fetches each step's scalar metrics, and raises `NonFiniteError` after K consecutive skipped steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from rljax.config import Config
+from rljax.trainer.batch import TrainBatch
+from rljax.trainer.logprobs import make_logprob_fn
+from rljax.trainer.state import TrainState, batch_sharding, check_nonfinite, put_global, replicated
+from rljax.trainer.step import make_train_step
+from rljax.types import LossInputs
+
+StepFn = Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]
+
+
+def minibatch_order(seed: int, step: int, epoch: int, rows: int, minibatches: int) -> np.ndarray:
+    """i32[minibatches, rows / minibatches]: a shuffled split of the rows, deterministic in
+    (trainer.seed, state.step at the start of the update, epoch), identical on every process."""
+    rng = np.random.default_rng([seed, step, epoch])
+    return rng.permutation(rows).astype(np.int32).reshape(minibatches, rows // minibatches)
+
+
+def make_select_rows(mesh: Mesh) -> Callable[[Any, jax.Array], Any]:
+    """Jitted `fn(batch, idx i32[b]) -> batch[idx]` (rows gathered, result sharded like a batch)."""
+    return jax.jit(lambda tree, idx: jax.tree.map(lambda x: x[idx], tree), out_shardings=batch_sharding(mesh))
+
+
+# How per-step metrics combine over the steps of one update (default: mean).
+_LAST = ("optim/skipped_steps", "optim/lr")
+_SUM = ("optim/nonfinite",)
+_MAX = ("is/weight_max",)
+
+
+def summarize(history: list[dict]) -> dict:
+    """Per-step host metrics -> one dict: means, except skipped_steps/lr (last), nonfinite (count of
+    skipped steps in this update), is/weight_max (max); adds optim/steps (steps run)."""
+    out = {}
+    for k in history[0]:
+        vals = np.array([h[k] for h in history], np.float64)
+        if k in _LAST:
+            out[k] = float(vals[-1])
+        elif k in _SUM:
+            out[k] = float(vals.sum())
+        elif k in _MAX:
+            out[k] = float(vals.max())
+        else:
+            out[k] = float(vals.mean())
+    out["optim/steps"] = float(len(history))
+    return out
+
+
+def run_epochs(cfg: Config, mesh: Mesh, step: StepFn, state: TrainState, batch: TrainBatch) -> tuple:
+    """`trainer.epochs` passes of `trainer.minibatches` steps over `batch`. Returns (state, summary)."""
+    rows, minibatches = batch.num_rows, cfg.trainer.minibatches
+    if rows % minibatches:
+        raise ValueError(f"trainer.minibatches={minibatches} does not divide the batch of {rows} rows")
+    select = make_select_rows(mesh) if minibatches > 1 else None
+    start = int(jax.device_get(state.step))
+    history = []
+    for epoch in range(cfg.trainer.epochs):
+        order = minibatch_order(cfg.trainer.seed, start, epoch, rows, minibatches)
+        for idx in order:
+            mb = batch if select is None else select(batch, put_global(idx, replicated(mesh)))
+            state, metrics = step(state, mb)
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            history.append(metrics)
+            check_nonfinite(int(metrics["optim/skipped_steps"]), cfg.trainer.max_nonfinite_skips)
+    return state, summarize(history)
+
+
+def mismatch_metrics(trainer_logp: jax.Array, batch: LossInputs) -> dict:
+    """Trainer-vs-rollout log-prob gap on the loss tokens: max and mean |logp_trainer - logp_behavior|."""
+    mask = batch.loss_mask
+    diff = jnp.abs(trainer_logp - batch.behavior_logp) * mask
+    return {
+        "logprob/trainer_vs_rollout_abs_diff_max": diff.max(),
+        "logprob/trainer_vs_rollout_abs_diff_mean": diff.sum() / jnp.maximum(mask.sum(), 1.0),
+    }
+
+
+def make_update(
+    cfg: Config, model_config: Any, mesh: Mesh, *, optimizer: optax.GradientTransformation | None = None
+) -> Callable[..., tuple[TrainState, dict]]:
+    """GRPO family: `update(state, batch: LossInputs, ref_params=None) -> (state, metrics)`.
+
+    Computes old log-probs with `state.params` (and reference log-probs with `ref_params` when
+    algo.beta > 0), then runs epochs x minibatches train steps. Metrics: the step metrics summarized
+    over steps (see `summarize`) plus the trainer-vs-rollout mismatch of the old log-probs. Raises
+    NonFiniteError after trainer.max_nonfinite_skips consecutive skipped steps.
+    """
+    logprob_fn = make_logprob_fn(cfg, model_config, mesh)
+    step = make_train_step(cfg, model_config, mesh, optimizer=optimizer)
+    mismatch = jax.jit(mismatch_metrics, out_shardings=replicated(mesh))
+
+    def update(state: TrainState, batch: LossInputs, ref_params: Any = None):
+        old_logp, _ = logprob_fn(state.params, batch)
+        ref_logp = reference_logprobs(cfg, logprob_fn, ref_params, batch)
+        train_batch = TrainBatch(
+            inputs=batch, old_logp=old_logp, advantages=batch.advantages, ref_logp=ref_logp
+        )
+        extra = {k: float(v) for k, v in jax.device_get(mismatch(old_logp, batch)).items()}
+        state, metrics = run_epochs(cfg, mesh, step, state, train_batch)
+        return state, metrics | extra
+
+    return update
+
+
+def reference_logprobs(cfg: Config, logprob_fn: Callable, ref_params: Any, batch: LossInputs):
+    """f32[B,T] reference log-probs when algo.beta > 0 (ref_params required), else None."""
+    if cfg.algo.beta <= 0:
+        return None
+    if ref_params is None:
+        raise ValueError(
+            f"algo.beta={cfg.algo.beta} > 0 needs ref_params (the reference policy's parameters)"
+        )
+    return logprob_fn(ref_params, batch)[0]
