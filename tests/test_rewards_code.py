@@ -55,3 +55,14 @@ def test_bad_tests_raise():
         code_score("```python\npass\n```", [])
     with pytest.raises(TypeError, match="str or a dict"):
         code_score("```python\npass\n```", [3])
+
+
+def test_code_reward_through_the_pool():
+    from rljax.rewards import RewardPool
+
+    completion = "```python\ndef add(a, b):\n    return a + b\n```"
+    batch = [{"prompt": "", "completion": completion, "example": {"answer": "", "tests": ASSERT_TESTS}}]
+    with RewardPool([("code", 1.0, {"timeout_s": 2.0})], num_workers=1, timeout_s=10.0) as pool:
+        assert pool.wait_ready()  # includes the sandbox probe (code_reward.warmup)
+        rewards, _, metrics = pool.score(batch)
+    assert rewards[0] == pytest.approx(2 / 3) and metrics["reward_fn/errors"] == 0

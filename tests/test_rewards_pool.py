@@ -45,6 +45,7 @@ def item(completion, answer="4"):
 def pool():
     specs = [("math", 1.0, {}), (faulty, 0.5, {"scale": 2.0})]
     with RewardPool(specs, num_workers=2, timeout_s=TIMEOUT_S) as p:
+        assert p.wait_ready()
         yield p
 
 

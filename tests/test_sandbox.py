@@ -152,3 +152,25 @@ def test_audit_mode_also_blocks_spawning_other_programs():
 def test_unknown_network_mode_lists_choices():
     with pytest.raises(ValueError, match="auto, namespace, audit"):
         run_python("pass", network="none")
+
+
+def test_sandbox_dies_with_a_killed_caller(tmp_path):
+    import subprocess
+    import sys
+
+    tag = uuid.uuid4().hex
+    caller_code = (
+        "from rljax.rewards.sandbox import run_python\n"
+        f"run_python('import time\\ntime.sleep(120)', timeout_s=100.0, env={{'CALLER_TAG': {tag!r}}})\n"
+    )
+    os.chmod(tmp_path, 0o711)  # the killed caller cannot remove its sandbox dir: keep it in tmp_path
+    caller = subprocess.Popen(
+        [sys.executable, "-c", caller_code], env={**os.environ, "TMPDIR": str(tmp_path)}
+    )
+    end = time.monotonic() + DEADLINE_S
+    while not processes_tagged(tag) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert processes_tagged(tag), "the sandboxed child never started"
+    caller.kill()  # SIGKILL: the caller cannot clean up; the parent-death signal must
+    caller.wait()
+    assert wait_until_gone(tag) == 0

@@ -36,6 +36,10 @@ def _init(conn: Connection) -> list[tuple[Any, dict[str, Any]]] | None:
         specs = pickle.loads(pickled_specs)
 
         fns = [(resolve(spec) if isinstance(spec, str) else spec, options) for spec, options in specs]
+        for fn, _ in fns:  # one-time set-up (e.g. the sandbox probe) before "ready", not inside a timed call
+            warmup = getattr(fn, "warmup", None)
+            if callable(warmup):
+                warmup()
     except Exception:  # noqa: BLE001 - reported to the pool, which raises it
         conn.send(("init_error", traceback.format_exc()))
         return None

@@ -16,7 +16,7 @@ import secrets
 from typing import Any
 
 from rljax.rewards.base import REWARDS
-from rljax.rewards.sandbox import run_python
+from rljax.rewards.sandbox import run_python, sandbox_info
 
 _BLOCK_RE = re.compile(r"```[ \t]*(python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -104,3 +104,6 @@ def code_reward(
         raise TypeError(f"each test must be a str or a dict(input, output), got {tests!r}")
     passed = _count_assert_passes(solution, asserts, sandbox) + _count_io_passes(solution, cases, sandbox)
     return passed / len(tests)
+
+
+code_reward.warmup = sandbox_info  # RewardPool workers probe the sandbox once, before taking calls

@@ -104,7 +104,8 @@ class RewardPool:
     """Weighted sum of reward functions, computed in worker processes with per-call timeouts.
 
     specs: [(name, weight, options)], name in REWARDS, "package.module:function", or a module-level
-    function. num_workers=0 runs calls inline (no isolation or timeouts; for debugging).
+    function (an optional `fn.warmup()` runs once per worker before it takes calls). num_workers=0 runs
+    calls inline (no isolation or timeouts; for debugging).
     total_timeout_s: bound on one score() call; default timeout_s * ceil(calls / num_workers) plus a
     worker start-up allowance.
     """
@@ -127,6 +128,23 @@ class RewardPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def wait_ready(self, timeout_s: float = _START_TIMEOUT_S) -> bool:
+        """Blocks until every worker has started (call once after construction, so start-up is not
+        charged to the first step); True if all are ready within `timeout_s`."""
+        end = time.monotonic() + timeout_s
+        while not all(w.ready for w in self._workers) and time.monotonic() < end:
+            waiting = {w.conn: w for w in self._workers if not w.ready}
+            for conn in wait(list(waiting), timeout=max(0.0, end - time.monotonic())):
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    self._replace(self._workers.index(waiting[conn]))
+                    continue
+                if message[0] == "init_error":
+                    raise RuntimeError(f"reward worker failed to start:\n{message[1]}")
+                waiting[conn].ready = True
+        return all(w.ready for w in self._workers)
 
     def close(self) -> None:
         """Stops all workers (idempotent)."""

@@ -128,9 +128,12 @@ def _plans() -> dict[str, _Plan]:
     # that takes the whole PID namespace down.
     setpriv = shutil.which("setpriv")
     guards = ([[setpriv, "--pdeathsig", "SIGKILL", "--"]] if setpriv else []) + [[]]
+    # Changing uid clears the parent-death signal that `unshare --kill-child` set, so the dropping
+    # setpriv sets it again (variant without it for an old setpriv).
+    drops = [drop[:-1] + ["--pdeathsig", "SIGKILL", "--"], drop] if drop else []
     candidates = {
-        "namespace": [(net_ns + drop, user), (net_ns, me)] if net_ns else [],
-        "audit": [(pid_ns + drop, user), (drop, user), (pid_ns, me), ([], me)],
+        "namespace": [(net_ns + d, user) for d in drops] + [(net_ns, me)] if net_ns else [],
+        "audit": [(p + d, user) for d in drops for p in (pid_ns, [])] + [(pid_ns, me), ([], me)],
     }
     pythons = [sys.executable] + [p for p in ["/usr/bin/python3"] if os.path.exists(p)]
     plans: dict[str, _Plan] = {}
