@@ -91,8 +91,8 @@ def logical_to_spec(
     Mesh axes of size 1, mesh axes already used by an earlier dimension and (when `shape` is known,
     given or from a `LogicalAxes`) mesh axes that do not divide the dimension are skipped.
     """
-    if shape is None:
-        shape = getattr(names, "shape", None)
+    if shape is None and isinstance(names, LogicalAxes):
+        shape = names.shape
     used: set[str] = set()
     spec = []
     for dim, name in enumerate(names):

@@ -102,7 +102,8 @@ def test_packed_segments_match_their_own_forward(tiny, variant):
     )
 
 
-@pytest.mark.parametrize("variant", [("qwen2", True), ("qwen3", False), ("llama", True)], ids=str)
+# Two variants cover the cache path (q/k/v bias + tied; q/k norm + lm_head); RoPE is shared with forward.
+@pytest.mark.parametrize("variant", [("qwen2", True), ("qwen3", False)], ids=str)
 def test_greedy_decode_with_cache_equals_repeated_full_forward(tiny, variant):
     config, params, _ = tiny[variant]
     prompt_len, steps = 7, 8

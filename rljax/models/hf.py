@@ -21,9 +21,9 @@ from safetensors import safe_open
 from rljax.models.config import ModelConfig
 from rljax.models.params import (
     ParamEntry,
-    _nest,
     get_path,
     global_shape,
+    nest_paths,
     param_entries,
     param_logical_axes,
     param_table,
@@ -186,7 +186,7 @@ def load_hf_checkpoint(
     for e in param_entries(config):
         s = get_path(shardings, e.path) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
         pairs.append((e.path, _build_param(config, source, e, s, np_dtype)))
-    return config, _nest(pairs)
+    return config, nest_paths(pairs)
 
 
 def _write_safetensors(path: Path, names: list[str], specs: dict, tensors: Iterator) -> None:

@@ -146,7 +146,7 @@ def global_shape(config: ModelConfig, entry: ParamEntry) -> tuple[int, ...]:
     return (config.num_layers, *entry.shape) if entry.per_layer else entry.shape
 
 
-def _nest(pairs: list[tuple[tuple[str, ...], Any]]) -> dict:
+def nest_paths(pairs: list[tuple[tuple[str, ...], Any]]) -> dict:
     tree: dict = {}
     for path, value in pairs:
         node = tree
@@ -169,13 +169,13 @@ def param_logical_axes(config: ModelConfig) -> dict:
     for e in param_entries(config):
         axes = ("layers", *e.axes) if e.per_layer else e.axes
         pairs.append((e.path, LogicalAxes(axes, global_shape(config, e))))
-    return _nest(pairs)
+    return nest_paths(pairs)
 
 
 def abstract_params(config: ModelConfig) -> dict:
     """`jax.ShapeDtypeStruct` tree of the params (in `config.param_dtype`)."""
     dtype = jnp.dtype(config.param_dtype)
-    return _nest(
+    return nest_paths(
         [(e.path, jax.ShapeDtypeStruct(global_shape(config, e), dtype)) for e in param_entries(config)]
     )
 
@@ -193,7 +193,7 @@ def init_params(config: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
         else:
             x = jnp.full(shape, 1.0 if e.init == "ones" else 0.0, jnp.float32)
         pairs.append((e.path, x.astype(dtype)))
-    return _nest(pairs)
+    return nest_paths(pairs)
 
 
 def unembed_matrix(config: ModelConfig, params: dict) -> jax.Array:
