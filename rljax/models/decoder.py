@@ -130,6 +130,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
 
     k, v [L,B,S,K,hd]; segment_ids i32[B,S] of the written slots; index i32[] (next slot, shared by all
     rows: prompts are left-padded); next_position i32[B] and segment i32[B] of the next token per row.
+    Writing past `max_len` is not detected inside jit (slots clamp): size the cache for prompt + steps.
     """
     dtype = jnp.dtype(dtype or config.compute_dtype)
     shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
