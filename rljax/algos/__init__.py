@@ -1,0 +1,57 @@
+"""RL algorithms as pure JAX functions: advantages, policy losses, KL, aggregation, off-policy correction.
+
+Variants live in registries, resolved by name when a step is built (`ADVANTAGES.get("grpo")`):
+    ADVANTAGES         fn(*, rewards f32[B], group_ids i32[B], num_groups, **options) -> f32[B]
+    POLICY_LOSSES      fn(logp, old_logp, advantages, mask, **options) -> (per_token f32[B,T], metrics)
+    KL_ESTIMATORS      fn(logp, ref_logp) -> f32[B,T]
+    LOSS_AGGREGATIONS  fn(per_token, mask, *, num_tokens, num_seqs, max_len) -> f32[]
+Plain functions: `gae`, `value_loss`, `importance_weights`, `dynamic_sampling_mask`, `overlong_penalty`,
+`token_entropy`, `entropy_bonus`. Imports only jax/numpy and rljax.registry (see tests/test_layering.py).
+"""
+
+from ._masked import LOG_RATIO_CLAMP
+from .advantages import ADVANTAGES, drgrpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo
+from .aggregation import (
+    LOSS_AGGREGATIONS,
+    entropy_bonus,
+    seq_mean_token_mean,
+    seq_mean_token_sum,
+    seq_mean_token_sum_norm,
+    token_entropy,
+    token_mean,
+)
+from .dapo import dynamic_sampling_mask, overlong_penalty
+from .gae import gae, value_loss
+from .kl import KL_ESTIMATORS, k1, k2, k3
+from .off_policy import importance_weights
+from .policy_losses import POLICY_LOSSES, clipped_objective, gspo, ppo_clip
+
+__all__ = [
+    "ADVANTAGES",
+    "KL_ESTIMATORS",
+    "LOG_RATIO_CLAMP",
+    "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
+    "clipped_objective",
+    "drgrpo",
+    "dynamic_sampling_mask",
+    "entropy_bonus",
+    "gae",
+    "grpo",
+    "gspo",
+    "importance_weights",
+    "k1",
+    "k2",
+    "k3",
+    "overlong_penalty",
+    "ppo_clip",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "rloo",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+    "token_entropy",
+    "token_mean",
+    "value_loss",
+]
