@@ -16,30 +16,60 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-def initialize_jax() -> None:
-    """Joins a multi-process JAX job when launched as one (Slurm srun or rljax.launch.local), else no-op.
+def _set_cpu_device_count() -> None:
+    """RLJAX_CPU_DEVICES=k gives this process k simulated CPU devices (before the CPU backend starts)."""
+    count = os.environ.get("RLJAX_CPU_DEVICES")
+    if not count:
+        return
+    flags = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
+    ]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={int(count)}"])
 
-    RLJAX_PLATFORM (cpu/gpu/tpu) pins the JAX platform; under Slurm `jax.distributed.initialize()` detects
-    the coordinator itself; the local launcher sets RLJAX_COORDINATOR, RLJAX_NUM_PROCESSES, RLJAX_PROCESS_ID.
+
+def _local_device_ids() -> list[int] | None:
+    """RLJAX_LOCAL_DEVICE_IDS="0,1,2,3": the GPUs one process drives (one process per node with K devices)."""
+    ids = os.environ.get("RLJAX_LOCAL_DEVICE_IDS", "")
+    return [int(i) for i in ids.split(",")] if ids else None
+
+
+def initialize_jax() -> None:
+    """Joins a multi-process JAX job when launched as one (Slurm srun or rljax.launch), else no-op.
+
+    Environment: RLJAX_PLATFORM (cpu/gpu/tpu) pins the JAX platform; RLJAX_CPU_DEVICES simulated CPU
+    devices per process; the local launcher sets RLJAX_COORDINATOR, RLJAX_NUM_PROCESSES, RLJAX_PROCESS_ID.
+    Under an srun step with more than one task, `jax.distributed.initialize()` reads the Slurm environment
+    (RLJAX_COORDINATOR, when set by launch/gpu_slurm.sh, overrides its coordinator address). Every process
+    prints `rljax: process i of n, k local devices`.
     """
+    _set_cpu_device_count()
     import jax
 
     platform = os.environ.get("RLJAX_PLATFORM")
     if platform:
         jax.config.update("jax_platforms", platform)
-    if os.environ.get("RLJAX_COORDINATOR"):
+    coordinator = os.environ.get("RLJAX_COORDINATOR") or None
+    if os.environ.get("RLJAX_PROCESS_ID") is not None:
         jax.distributed.initialize(
-            coordinator_address=os.environ["RLJAX_COORDINATOR"],
+            coordinator_address=coordinator,
             num_processes=int(os.environ["RLJAX_NUM_PROCESSES"]),
             process_id=int(os.environ["RLJAX_PROCESS_ID"]),
+            local_device_ids=_local_device_ids(),
         )
-    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 and os.environ.get("SLURM_STEP_ID") is not None:
-        jax.distributed.initialize()
+    elif _slurm_step_tasks() > 1:
+        jax.distributed.initialize(coordinator_address=coordinator, local_device_ids=_local_device_ids())
     print(
         f"rljax: process {jax.process_index()} of {jax.process_count()}, "
         f"{jax.local_device_count()} local devices",
         flush=True,
     )
+
+
+def _slurm_step_tasks() -> int:
+    """Tasks in the current srun step (1 outside a step: the batch script itself is not a JAX job)."""
+    if os.environ.get("SLURM_STEP_ID") is None:
+        return 1
+    return int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS") or "1")
 
 
 def run(cfg: config_lib.Config, workdir: str) -> None:

@@ -1,0 +1,220 @@
+#!/bin/bash
+# rljax on Slurm: one JAX process per GPU (or per node), optional vLLM rollout nodes, requeue on preemption.
+#
+# Exact sbatch line (2 nodes x 8 GPUs, 16 JAX processes, vLLM started by rljax next to the trainer):
+#   sbatch --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 launch/gpu_slurm.sh -- \
+#       --config=configs/grpo.py:qwen2.5-0.5b --config.model.path=/models/Qwen2.5-0.5B-Instruct \
+#       --workdir=/shared/runs/run1
+# Dedicated rollout nodes (the last k nodes run `vllm serve`, the trainer gets --config.rollout.vllm.urls):
+#   RLJAX_ROLLOUT_NODES=1 sbatch --nodes=3 --ntasks-per-node=8 --gpus-per-node=8 launch/gpu_slurm.sh -- ...
+# CPU-only cluster (what the tests run): RLJAX_PLATFORM=cpu sbatch --ntasks=2 launch/gpu_slurm.sh -- \
+#       --config=configs/grpo.py:smoke --workdir=/tmp/rljax_slurm
+#
+# Everything after `--` goes to `python -m rljax.main` unchanged (config file, --config.* overrides,
+# --workdir); with rollout nodes one `--config.rollout.vllm.urls=(...)` is appended. Logs: the Slurm output
+# file below, and <workdir>/logs/{batch.log, rank-<i>.log, preflight-rank-<i>.log, vllm-<node>.log}.
+# Preemption: Slurm sends USR1 to this script 120 s before the time limit (--signal) and `scancel
+# --signal=USR1 --batch <job>` does the same by hand; the script forwards it to the training step, every
+# process saves at the next step boundary and exits 143, and the script runs `scontrol requeue` so the job
+# restarts and resumes from <workdir>/checkpoints. Slurm keeps a requeued job pending for its credential
+# lifetime (AuthInfo cred_expire, default 120 s) before it starts again.
+#
+# Environment (all optional):
+#   RLJAX_PLATFORM=gpu|cpu|tpu    JAX platform (default gpu; cpu for CPU-only clusters)
+#   RLJAX_PROCESS_PER=gpu|node    one JAX process per GPU (default; tasks = --ntasks-per-node) or one per node
+#                                 driving all of its GPUs (RLJAX_LOCAL_DEVICE_IDS is set for it)
+#   RLJAX_CPU_DEVICES=k           simulated devices per process on CPU
+#   RLJAX_ROLLOUT_NODES=k         last k nodes serve vLLM (default 0: rljax starts its own server)
+#   RLJAX_VLLM_PORT (8000), RLJAX_VLLM_MODEL (default: the config's model.path), RLJAX_VLLM_ARGS,
+#   RLJAX_VLLM_CMD (default "vllm serve"), RLJAX_VLLM_TIMEOUT (600 s to become healthy)
+#   RLJAX_PYTHON                  interpreter (default: $SLURM_SUBMIT_DIR/.venv/bin/python, else python3)
+#   RLJAX_ENTRY                   module or .py file to run (default rljax.main; launch/selftest.py checks
+#                                 the launch path without the trainer)
+#   RLJAX_PREFLIGHT=1|0           run `rljax.preflight` on all tasks before training (default 1)
+#   RLJAX_REQUEUE=1|0             requeue after a preemption save (default 1)
+#   RLJAX_COORDINATOR_PORT        jax.distributed coordinator port (default derived from the job id)
+#   RLJAX_DRY_RUN=1               print the plan and the srun commands, run nothing
+#SBATCH --job-name=rljax
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@120
+#SBATCH --open-mode=append
+#SBATCH --output=rljax-%j.out
+#SBATCH --time=24:00:00
+
+set -uo pipefail
+
+EXIT_PREEMPTED=143
+
+log() { echo "rljax-slurm: $*" | tee -a "${LOGDIR:-/dev/null}/batch.log" >&2; }
+die() { echo "rljax-slurm: error: $*" >&2; exit 2; }
+
+[ "${1:-}" = "--" ] && shift
+ARGS=("$@")
+
+# ---------------------------------------------------------------------------------------------- workdir
+WORKDIR=""
+for ((i = 0; i < ${#ARGS[@]}; i++)); do
+  case "${ARGS[i]}" in
+    --workdir=*) WORKDIR="${ARGS[i]#--workdir=}" ;;
+    --workdir) WORKDIR="${ARGS[i + 1]:-}" ;;
+  esac
+done
+[ -n "$WORKDIR" ] || die "pass --workdir=DIR after -- (metrics, checkpoints and logs go there)"
+LOGDIR="$WORKDIR/logs"
+mkdir -p "$LOGDIR" || die "cannot create $LOGDIR"
+
+# ---------------------------------------------------------------------------------------------- plan
+SUBMIT_DIR="${SLURM_SUBMIT_DIR:-$PWD}"
+if [ -z "${RLJAX_PYTHON:-}" ]; then
+  RLJAX_PYTHON=python3
+  [ -x "$SUBMIT_DIR/.venv/bin/python" ] && RLJAX_PYTHON="$SUBMIT_DIR/.venv/bin/python"
+fi
+PLATFORM="${RLJAX_PLATFORM:-gpu}"
+PROCESS_PER="${RLJAX_PROCESS_PER:-gpu}"
+ROLLOUT_NODES="${RLJAX_ROLLOUT_NODES:-0}"
+ENTRY="${RLJAX_ENTRY:-rljax.main}"
+JOB_ID="${SLURM_JOB_ID:?not inside a Slurm job (submit with sbatch)}"
+RESTART="${SLURM_RESTART_COUNT:-0}"
+
+mapfile -t NODES < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?}")
+NUM_NODES=${#NODES[@]}
+((ROLLOUT_NODES >= 0 && ROLLOUT_NODES < NUM_NODES)) \
+  || die "RLJAX_ROLLOUT_NODES=$ROLLOUT_NODES needs at least one trainer node among $NUM_NODES nodes"
+NUM_TRAINER_NODES=$((NUM_NODES - ROLLOUT_NODES))
+TRAINER_NODES=("${NODES[@]:0:NUM_TRAINER_NODES}")
+SERVE_NODES=("${NODES[@]:NUM_TRAINER_NODES}")
+TRAINER_NODELIST=$(IFS=,; echo "${TRAINER_NODES[*]}")
+
+if [ "$PROCESS_PER" = node ]; then
+  TASKS_PER_NODE=1
+  GPUS="${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}"
+  GPUS="${GPUS##*:}"
+  if [ "$PLATFORM" = gpu ] && ((GPUS > 0)); then
+    export RLJAX_LOCAL_DEVICE_IDS=$(seq -s, 0 $((GPUS - 1)))
+  fi
+elif [ "$PROCESS_PER" = gpu ]; then
+  TASKS_PER_NODE="${SLURM_NTASKS_PER_NODE:-$((${SLURM_NTASKS:-$NUM_NODES} / NUM_NODES))}"
+else
+  die "RLJAX_PROCESS_PER must be gpu or node, got $PROCESS_PER"
+fi
+((TASKS_PER_NODE >= 1)) || die "no tasks per node (submit with --ntasks-per-node or --ntasks)"
+NUM_TASKS=$((TASKS_PER_NODE * NUM_TRAINER_NODES))
+
+PORT="${RLJAX_COORDINATOR_PORT:-$((20000 + (JOB_ID * 16 + RESTART) % 20000))}"
+export RLJAX_COORDINATOR="${TRAINER_NODES[0]}:$PORT"
+export RLJAX_PLATFORM="$PLATFORM"
+unset RLJAX_PROCESS_ID RLJAX_NUM_PROCESSES  # those are the local launcher's, not Slurm's
+
+# ---------------------------------------------------------------------------------------------- env
+export PYTHONUNBUFFERED=1
+if [ "$PLATFORM" = gpu ]; then
+  export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+  export NCCL_ASYNC_ERROR_HANDLING="${NCCL_ASYNC_ERROR_HANDLING:-1}"
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
+  if ((ROLLOUT_NODES == 0)); then
+    # vLLM shares the trainer's GPUs: leave it its gpu_memory_utilization plus a margin.
+    UTIL=$("$RLJAX_PYTHON" -m rljax.launch --print-config rollout.vllm.gpu_memory_utilization -- "${ARGS[@]}") \
+      || die "could not resolve the config (run: $RLJAX_PYTHON -m rljax.main ${ARGS[*]})"
+    export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(awk -v u="$UTIL" \
+      'BEGIN { f = 0.95 - u; if (f < 0.1) f = 0.1; printf "%.2f", f }')}"
+  else
+    export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}"
+  fi
+elif [ "$PLATFORM" = cpu ]; then
+  export JAX_PLATFORMS=cpu
+fi
+
+if [[ "$ENTRY" == *.py ]]; then ENTRY_CMD=("$RLJAX_PYTHON" "$ENTRY"); else ENTRY_CMD=("$RLJAX_PYTHON" -m "$ENTRY"); fi
+SRUN=(srun --kill-on-bad-exit=1 --nodes="$NUM_TRAINER_NODES" --nodelist="$TRAINER_NODELIST"
+  --ntasks="$NUM_TASKS" --ntasks-per-node="$TASKS_PER_NODE" --open-mode=append)
+
+log "job $JOB_ID restart $RESTART: $NUM_TASKS JAX processes on ${TRAINER_NODES[*]} ($PLATFORM," \
+  "per $PROCESS_PER), rollout nodes: ${SERVE_NODES[*]:-none}, coordinator $RLJAX_COORDINATOR"
+
+run() {  # runs (or, dry, prints) one command
+  if [ "${RLJAX_DRY_RUN:-0}" = 1 ]; then printf 'rljax-slurm: would run:'; printf ' %q' "$@"; echo; return 0; fi
+  "$@"
+}
+
+# ---------------------------------------------------------------------------------------------- rollout
+SERVER_PIDS=()
+cleanup() { for pid in "${SERVER_PIDS[@]}"; do kill "$pid" 2>/dev/null; done; }
+trap cleanup EXIT
+
+start_rollout_servers() {
+  local model port urls=() node
+  port="${RLJAX_VLLM_PORT:-8000}"
+  model="${RLJAX_VLLM_MODEL:-}"
+  if [ -z "$model" ]; then
+    model=$("$RLJAX_PYTHON" -m rljax.launch --print-config model.path -- "${ARGS[@]}") \
+      || die "could not resolve model.path from the config"
+  fi
+  for node in "${SERVE_NODES[@]}"; do
+    # shellcheck disable=SC2086  # RLJAX_VLLM_CMD / RLJAX_VLLM_ARGS are word lists on purpose
+    if [ "${RLJAX_DRY_RUN:-0}" = 1 ]; then
+      run srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOGDIR/vllm-$node.log" \
+        ${RLJAX_VLLM_CMD:-vllm serve} "$model" --host 0.0.0.0 --port "$port" ${RLJAX_VLLM_ARGS:-}
+    else
+      srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOGDIR/vllm-$node.log" \
+        --open-mode=append ${RLJAX_VLLM_CMD:-vllm serve} "$model" --host 0.0.0.0 --port "$port" \
+        ${RLJAX_VLLM_ARGS:-} &
+      SERVER_PIDS+=($!)
+    fi
+    urls+=("'http://$node:$port'")
+  done
+  ROLLOUT_URLS_ARG="--config.rollout.vllm.urls=($(IFS=,; echo "${urls[*]}"),)"
+  [ "${RLJAX_DRY_RUN:-0}" = 1 ] && return 0
+  for node in "${SERVE_NODES[@]}"; do
+    "$RLJAX_PYTHON" -m rljax.launch --wait-url "http://$node:$port/health" \
+      --timeout "${RLJAX_VLLM_TIMEOUT:-600}" || die "vLLM on $node not healthy; see $LOGDIR/vllm-$node.log"
+  done
+}
+
+ROLLOUT_URLS_ARG=""
+((ROLLOUT_NODES > 0)) && start_rollout_servers
+TRAIN_ARGS=("${ARGS[@]}")
+[ -n "$ROLLOUT_URLS_ARG" ] && TRAIN_ARGS+=("$ROLLOUT_URLS_ARG")
+
+# ---------------------------------------------------------------------------------------------- preflight
+if [ "${RLJAX_PREFLIGHT:-1}" = 1 ]; then
+  if ! run "${SRUN[@]}" --output="$LOGDIR/preflight-rank-%t.log" \
+      "$RLJAX_PYTHON" -m rljax.preflight "${TRAIN_ARGS[@]}"; then
+    grep -h "^preflight:\|^rljax: error" "$LOGDIR/preflight-rank-0.log" >&2
+    die "preflight failed; see $LOGDIR/preflight-rank-0.log"
+  fi
+fi
+
+# ---------------------------------------------------------------------------------------------- train
+PREEMPTED=0
+TRAIN_PID=""
+on_signal() {  # Slurm's --signal / scancel --signal: forward to the training step, which saves and exits 143
+  PREEMPTED=1
+  log "received $1; forwarding USR1 to the training step"
+  [ -n "$TRAIN_PID" ] && kill -s USR1 "$TRAIN_PID" 2>/dev/null
+}
+trap 'on_signal USR1' USR1
+trap 'on_signal TERM' TERM
+
+if [ "${RLJAX_DRY_RUN:-0}" = 1 ]; then
+  run "${SRUN[@]}" --output="$LOGDIR/rank-%t.log" "${ENTRY_CMD[@]}" "${TRAIN_ARGS[@]}"
+  exit 0
+fi
+"${SRUN[@]}" --output="$LOGDIR/rank-%t.log" "${ENTRY_CMD[@]}" "${TRAIN_ARGS[@]}" &
+TRAIN_PID=$!
+while :; do  # `wait` returns early (> 128) whenever a trapped signal arrives
+  wait "$TRAIN_PID"
+  RC=$?
+  ((RC > 128)) && kill -0 "$TRAIN_PID" 2>/dev/null && continue
+  break
+done
+log "training step exited with $RC"
+
+# 143: the processes saved and asked to be requeued; a signal and any other failure: Slurm is ending the job.
+if ((RC == EXIT_PREEMPTED || (PREEMPTED && RC != 0))) && [ "${RLJAX_REQUEUE:-1}" = 1 ]; then
+  log "preempted: requeueing job $JOB_ID (it resumes from $WORKDIR/checkpoints)"
+  trap '' TERM  # requeue cancels this script; finish the log line first
+  cleanup
+  scontrol requeue "$JOB_ID"
+  exit 0
+fi
+exit "$RC"

@@ -1,0 +1,216 @@
+"""Local launcher: N JAX processes on one machine, the same code path as Slurm (for debugging).
+
+    python -m rljax.launch --num-processes 2 [--devices-per-process 4] -- \
+        --config=configs/grpo.py:smoke --workdir=/tmp/run
+
+Each process runs `python -m rljax.main <args after -->` (or `--entry`) with RLJAX_COORDINATOR,
+RLJAX_NUM_PROCESSES and RLJAX_PROCESS_ID set, which `rljax.runtime.initialize_jax` turns into
+`jax.distributed.initialize(...)`. `--devices-per-process K` gives each process K simulated CPU devices
+(RLJAX_CPU_DEVICES) or, on GPU (RLJAX_PLATFORM=gpu), GPUs i*K..i*K+K-1 (RLJAX_LOCAL_DEVICE_IDS). Output
+lines are prefixed `[rank i]`, and copied to <workdir>/logs/rank-<i>.log when --workdir is given. Like
+`srun --kill-on-bad-exit=1`, the first process to fail ends the others; SIGTERM/SIGUSR1/SIGINT are
+forwarded to every process (they save and exit 143); the launcher exits with the first non-zero code.
+
+Helpers used by launch/gpu_slurm.sh:
+    python -m rljax.launch --print-config model.path [KEY ...] -- <rljax.main args>
+    python -m rljax.launch --wait-url http://node:8000/health --timeout 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from rljax import config as config_lib
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+KILL_GRACE_S = 30.0  # after a failure, time the others get to exit on SIGTERM before SIGKILL
+
+
+def config_from_args(args: list[str]) -> config_lib.Config:
+    """The validated Config that `rljax.main` would build from `args` (its flags, parsed the same way)."""
+    from absl import flags
+
+    from rljax import main as main_lib
+
+    argv = ["rljax", *args]
+    main_lib.check_argv(argv)
+    rest = flags.FLAGS(argv)
+    if len(rest) > 1:
+        raise config_lib.ConfigError("argv", f"unexpected arguments {rest[1:]!r}")
+    return main_lib.load_config()
+
+
+def lookup(cfg: config_lib.Config, key: str):
+    """The value of dotted field `key` (e.g. "model.path"); ConfigError naming the valid keys otherwise."""
+    if key not in config_lib.field_types():
+        raise config_lib.ConfigError(
+            key, f"unknown config key{config_lib.suggest(key, sorted(config_lib.field_types()))}"
+        )
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_envs(num_processes: int, devices_per_process: int, port: int, base: dict) -> list[dict]:
+    """The environment of each process: coordinator, rank, and its devices."""
+    platform = base.get("RLJAX_PLATFORM", "cpu")
+    envs = []
+    for rank in range(num_processes):
+        env = dict(
+            base,
+            RLJAX_COORDINATOR=f"127.0.0.1:{port}",
+            RLJAX_NUM_PROCESSES=str(num_processes),
+            RLJAX_PROCESS_ID=str(rank),
+            RLJAX_PLATFORM=platform,
+            PYTHONUNBUFFERED="1",
+        )
+        for key in ("SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID"):  # not a Slurm step
+            env.pop(key, None)
+        if devices_per_process and platform == "cpu":
+            env["RLJAX_CPU_DEVICES"] = str(devices_per_process)
+        elif devices_per_process:
+            first = rank * devices_per_process
+            env["RLJAX_LOCAL_DEVICE_IDS"] = ",".join(
+                str(i) for i in range(first, first + devices_per_process)
+            )
+        envs.append(env)
+    return envs
+
+
+def workdir_of(args: list[str]) -> str | None:
+    """The --workdir value in rljax.main arguments, if any."""
+    for i, arg in enumerate(args):
+        if arg.startswith("--workdir="):
+            return arg.split("=", 1)[1]
+        if arg == "--workdir" and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def _pump(proc: subprocess.Popen, rank: int, log_path: str | None) -> None:
+    log = open(log_path, "a") if log_path else None
+    for line in proc.stdout:
+        sys.stdout.write(f"[rank {rank}] {line}")
+        sys.stdout.flush()
+        if log:
+            log.write(line)
+            log.flush()
+    if log:
+        log.close()
+
+
+def launch(
+    args: list[str], num_processes: int, devices_per_process: int = 0, entry: str = "rljax.main"
+) -> int:
+    """Runs `num_processes` copies of `entry` with `args` as one JAX job; returns the job's exit code."""
+    cmd = [sys.executable, entry] if entry.endswith(".py") else [sys.executable, "-m", entry]
+    workdir = workdir_of(args)
+    logdir = os.path.join(workdir, "logs") if workdir else None
+    if logdir:
+        os.makedirs(logdir, exist_ok=True)
+    envs = process_envs(num_processes, devices_per_process, free_port(), dict(os.environ))
+    procs = [
+        subprocess.Popen([*cmd, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for env in envs
+    ]
+    pumps = [
+        threading.Thread(
+            target=_pump, args=(p, r, logdir and os.path.join(logdir, f"rank-{r}.log")), daemon=True
+        )
+        for r, p in enumerate(procs)
+    ]
+    for t in pumps:
+        t.start()
+    previous = {s: signal.signal(s, lambda signum, _: _forward(procs, signum)) for s in FORWARDED_SIGNALS}
+    try:
+        code = _wait_all(procs)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for t in pumps:
+            t.join(timeout=5)
+    return code
+
+
+def _forward(procs: list[subprocess.Popen], signum: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> int:
+    """Waits for every process; on the first failure terminates the rest (kill-on-bad-exit) and returns
+    that first failure's code, else 0."""
+    first_bad, failed_at = None, None
+    while True:
+        codes = [p.poll() for p in procs]
+        if first_bad is None and any(c not in (None, 0) for c in codes):
+            first_bad, failed_at = next(c for c in codes if c not in (None, 0)), time.monotonic()
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+        if failed_at is not None and time.monotonic() - failed_at > KILL_GRACE_S:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if all(c is not None for c in codes):
+            return first_bad or 0
+        time.sleep(0.1)
+
+
+def wait_url(url: str, timeout_s: float) -> bool:
+    """Polls `url` until it answers 2xx or `timeout_s` passes."""
+    from rljax.preflight import check_urls
+
+    deadline = time.monotonic() + timeout_s
+    base = url[: -len("/health")] if url.endswith("/health") else url
+    while time.monotonic() < deadline:
+        if not check_urls([base], timeout_s=2.0):
+            return True
+        time.sleep(2.0)
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(prog="python -m rljax.launch", description=__doc__.split("\n")[0])
+    parser.add_argument("--num-processes", type=int, default=0)
+    parser.add_argument("--devices-per-process", type=int, default=0)
+    parser.add_argument("--entry", default="rljax.main", help="module or .py file (default rljax.main)")
+    parser.add_argument("--print-config", nargs="+", metavar="KEY", help="print resolved config values")
+    parser.add_argument("--wait-url", help="wait until this URL answers 2xx")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    opts = parser.parse_args(ours)
+    if opts.wait_url:
+        return 0 if wait_url(opts.wait_url, opts.timeout) else 1
+    if opts.print_config:
+        try:
+            cfg = config_from_args(rest)
+            values = [lookup(cfg, key) for key in opts.print_config]
+        except config_lib.ConfigError as e:
+            print(f"rljax: error: config: {e}", file=sys.stderr)
+            return 2
+        print("\n".join(str(v) for v in values))
+        return 0
+    if opts.num_processes < 1:
+        parser.error("--num-processes N (>= 1) is required")
+    return launch(rest, opts.num_processes, opts.devices_per_process, opts.entry)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""launch/gpu_slurm.sh on a real single-node Slurm cluster (slurmctld + slurmd on localhost).
+
+One cluster serves the whole module and is torn down by PID at the end, also on failure. The job runs
+2 tasks with RLJAX_PLATFORM=cpu, one simulated CPU device each. The self-test entry (launch/selftest.py)
+checks the launch path itself: both ranks join one JAX job, preflight runs on all tasks, a USR1 to the
+batch script makes the job save, requeue and resume. The `rljax.main` tests run the real training loop
+on the smoke config and are skipped only while that loop cannot be imported in this build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from slurm_cluster import SlurmCluster, slurm_installed
+
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(
+        not slurm_installed(),
+        reason="slurmctld/slurmd not installed (apt-get install slurmctld slurmd slurm-client)",
+    ),
+]
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "launch", "gpu_slurm.sh")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = SlurmCluster(str(tmp_path_factory.mktemp("slurm")))
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    code = (
+        f"from rljax.models.tiny import build_tiny_checkpoint; build_tiny_checkpoint({str(path)!r}, 'qwen2')"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, capture_output=True, timeout=300)
+    return str(path)
+
+
+def submit(cluster: SlurmCluster, workdir, args: list[str], **env: str) -> str:
+    """sbatch --ntasks=2 launch/gpu_slurm.sh -- args; returns the job id."""
+    os.makedirs(workdir, exist_ok=True)  # sbatch's --output file goes there
+    job_env = {
+        "RLJAX_PLATFORM": "cpu",
+        "RLJAX_CPU_DEVICES": "1",
+        "RLJAX_PYTHON": sys.executable,
+        "XLA_FLAGS": "",
+        **env,
+    }
+    out = cluster.run(
+        "sbatch",
+        "--parsable",
+        "--ntasks=2",
+        f"--chdir={REPO}",
+        f"--output={workdir}/slurm-%j.out",
+        SCRIPT,
+        "--",
+        *args,
+        **job_env,
+    )
+    return out.strip().split(";")[0]
+
+
+def read(path) -> str:
+    return open(path).read() if os.path.exists(path) else f"<missing {path}>"
+
+
+def diagnostics(workdir) -> str:
+    logs = os.path.join(workdir, "logs")
+    names = sorted(os.listdir(logs)) if os.path.isdir(logs) else []
+    slurm_out = [n for n in os.listdir(workdir) if n.startswith("slurm-")] if os.path.isdir(workdir) else []
+    parts = [f"== {n}\n{read(os.path.join(workdir, n))[-3000:]}" for n in slurm_out]
+    parts += [f"== logs/{n}\n{read(os.path.join(logs, n))[-3000:]}" for n in names]
+    return "\n".join(parts)
+
+
+def assert_joined_one_job(workdir, num_processes: int = 2) -> None:
+    """Every rank's log has the start-up line for its own index and the same process count."""
+    for rank in range(num_processes):
+        log = read(os.path.join(workdir, "logs", f"rank-{rank}.log"))
+        assert f"rljax: process {rank} of {num_processes}, 1 local devices" in log, diagnostics(workdir)
+
+
+def wait_for(predicate, timeout_s: float, what: str, workdir) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}\n{diagnostics(workdir)}")
+
+
+def smoke_args(workdir, model: str, *extra: str) -> list[str]:
+    return ["--config=configs/grpo.py:smoke", f"--config.model.path={model}", f"--workdir={workdir}", *extra]
+
+
+def selftest_steps(workdir) -> list[int]:
+    path = os.path.join(workdir, "selftest_metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    return [json.loads(line)["step"] for line in open(path) if line.strip()]
+
+
+def test_selftest_two_tasks_join_one_jax_job(cluster, tiny_model, tmp_path):
+    workdir = tmp_path / "run"
+    job = submit(
+        cluster,
+        workdir,
+        smoke_args(workdir, tiny_model),
+        RLJAX_ENTRY="launch/selftest.py",
+        RLJAX_SELFTEST_STEP_S="0.2",
+    )
+    state = cluster.wait_job(job, timeout_s=120)
+    assert state == "COMPLETED", (state, diagnostics(workdir))
+    assert cluster.job_field(job, "ExitCode") == "0:0"
+    assert_joined_one_job(workdir)
+    assert "preflight: ok (2 processes, 2 devices)" in read(workdir / "logs" / "preflight-rank-0.log")
+    rows = [json.loads(line) for line in open(workdir / "selftest_metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # the smoke preset's trainer.steps
+    assert all(r["processes"] == 2 and r["sum"] == 3.0 for r in rows)  # ranks contribute 1 + 2
+    assert json.load(open(workdir / "selftest_checkpoint.json")) == {"step": 3}
+
+
+def test_selftest_preempted_saves_requeues_and_resumes(cluster, tiny_model, tmp_path):
+    workdir = tmp_path / "run"
+    args = smoke_args(workdir, tiny_model, "--config.trainer.steps=8", "--config.checkpoint.every_steps=100")
+    job = submit(
+        cluster,
+        workdir,
+        args,
+        RLJAX_ENTRY="launch/selftest.py",
+        RLJAX_SELFTEST_STEP_S="1.0",
+        RLJAX_PREFLIGHT="0",
+    )
+    wait_for(lambda: len(selftest_steps(workdir)) >= 2, 90, "two self-test steps", workdir)
+    cluster.run("scancel", "--signal=USR1", "--batch", job)
+    wait_for(lambda: cluster.job_field(job, "Restarts") == "1", 90, "the requeue", workdir)
+    saved = json.load(open(workdir / "selftest_checkpoint.json"))["step"]
+    assert 2 <= saved < 8
+    state = cluster.wait_job(job, timeout_s=120)
+    assert state == "COMPLETED", (state, diagnostics(workdir))
+    batch_log = read(workdir / "logs" / "batch.log")
+    assert "received USR1" in batch_log and "requeueing job" in batch_log, diagnostics(workdir)
+    rank0 = read(workdir / "logs" / "rank-0.log")
+    assert f"preempted; saved step {saved}" in rank0
+    assert f"resuming from step {saved}" in rank0
+    assert selftest_steps(workdir) == list(range(1, 9))  # every step once: resumed right after the save
+    assert json.load(open(workdir / "selftest_checkpoint.json")) == {"step": 8}
+
+
+def require_training_loop() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", "import rljax.loop.train"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if proc.returncode:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        pytest.skip(f"pending: the training loop does not import in this build yet ({last})")
+
+
+def metric_steps(workdir) -> list[int]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    return [int(json.loads(line)["step"]) for line in open(path) if line.strip()]
+
+
+def checkpoint_steps(workdir) -> list[int]:
+    root = os.path.join(workdir, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(n) for n in names if re.fullmatch(r"\d+", n))
+
+
+def test_grpo_smoke_two_tasks(cluster, tiny_model, tmp_path):
+    require_training_loop()
+    workdir = tmp_path / "run"
+    job = submit(cluster, workdir, smoke_args(workdir, tiny_model))
+    state = cluster.wait_job(job, timeout_s=240)
+    assert state == "COMPLETED", (state, diagnostics(workdir))
+    assert_joined_one_job(workdir)
+    assert "finished 3 steps" in read(workdir / "logs" / "rank-0.log"), diagnostics(workdir)
+    assert max(metric_steps(workdir)) == 3
+    assert 3 in checkpoint_steps(workdir)
+
+
+def test_grpo_preempted_resumes_from_saved_step(cluster, tiny_model, tmp_path):
+    require_training_loop()
+    workdir = tmp_path / "run"
+    args = smoke_args(workdir, tiny_model, "--config.trainer.steps=6", "--config.checkpoint.every_steps=100")
+    job = submit(cluster, workdir, args, RLJAX_PREFLIGHT="0")
+    wait_for(lambda: max(metric_steps(workdir), default=0) >= 1, 180, "the first training step", workdir)
+    cluster.run("scancel", "--signal=USR1", "--batch", job)
+    wait_for(lambda: cluster.job_field(job, "Restarts") == "1", 120, "the requeue", workdir)
+    saved = checkpoint_steps(workdir)
+    assert saved and saved[-1] < 6, saved
+    state = cluster.wait_job(job, timeout_s=240)
+    assert state == "COMPLETED", (state, diagnostics(workdir))
+    steps = metric_steps(workdir)
+    assert max(steps) == 6
+    assert steps.count(saved[-1] + 1) == 1  # the step after the save ran once: resumed, not restarted
+    assert 6 in checkpoint_steps(workdir)
