@@ -1,7 +1,7 @@
 """Triton kernels for the fused log-probs (NVIDIA GPUs). Imported lazily by `triton_gpu.py` only.
 
-UNTESTED on hardware at the time of writing (no GPU in the session that wrote them); the `gpu`-marked tests in
-tests/test_kernels.py check them against the reference on a GPU machine.
+Their arithmetic and masking are checked in Triton's CPU interpreter (tests/test_kernels_triton_interp.py);
+compiled on a GPU they were not run when written: the `gpu` tests in tests/test_kernels.py cover that.
 
 Layout: hidden [N, D] and unembed [V, D] row-major; one program owns a [BN, BV] logit tile, computed by a loop
 over D in BD-wide slices. Offsets are int64 so V * D may exceed 2**31.

@@ -5,7 +5,8 @@ Forward: a [row blocks, vocab splits] grid writes partial online-softmax stats t
 Backward: one kernel over [row blocks, vocab blocks] tiles, accumulating d(hidden) and d(unembed) with f32
 atomics (Cut Cross-Entropy style), so each logit tile is recomputed once.
 
-UNTESTED on hardware when written (no GPU was available); see the `gpu` tests in tests/test_kernels.py.
+The kernels' math is checked in Triton's CPU interpreter; this jax_triton glue and the compiled kernels
+were not run on a GPU when written (no GPU was available): see the `gpu` tests in tests/test_kernels.py.
 """
 
 from __future__ import annotations
