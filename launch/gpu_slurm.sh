@@ -150,14 +150,13 @@ start_rollout_servers() {
       || die "could not resolve model.path from the config"
   fi
   for node in "${SERVE_NODES[@]}"; do
-    # shellcheck disable=SC2086  # RLJAX_VLLM_CMD / RLJAX_VLLM_ARGS are word lists on purpose
+    # shellcheck disable=SC2206  # RLJAX_VLLM_CMD / RLJAX_VLLM_ARGS are word lists on purpose
+    local cmd=(srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOGDIR/vllm-$node.log"
+      --open-mode=append ${RLJAX_VLLM_CMD:-vllm serve} "$model" --host 0.0.0.0 --port "$port" ${RLJAX_VLLM_ARGS:-})
     if [ "${RLJAX_DRY_RUN:-0}" = 1 ]; then
-      run srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOGDIR/vllm-$node.log" \
-        ${RLJAX_VLLM_CMD:-vllm serve} "$model" --host 0.0.0.0 --port "$port" ${RLJAX_VLLM_ARGS:-}
+      run "${cmd[@]}"
     else
-      srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOGDIR/vllm-$node.log" \
-        --open-mode=append ${RLJAX_VLLM_CMD:-vllm serve} "$model" --host 0.0.0.0 --port "$port" \
-        ${RLJAX_VLLM_ARGS:-} &
+      "${cmd[@]}" &
       SERVER_PIDS+=($!)
     fi
     urls+=("'http://$node:$port'")

@@ -1,0 +1,236 @@
+"""Preflight: one test per impossible setup, golden parameter counts, and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from rljax import preflight
+from rljax.config import Config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 1024**3
+
+# config.json fields of two public checkpoints (sizes from their Hugging Face model cards).
+QWEN25_05B = {
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+LLAMA3_8B = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def write_model(path, fields: dict) -> str:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(fields, f)
+    return str(path)
+
+
+def make_cfg(model_path: str, **sections) -> Config:
+    """Config with per-section overrides, e.g. rollout={"batch_size": 30}; bypasses `validate` on purpose."""
+    cfg = Config()
+    changes = {}
+    for name, fields in sections.items():
+        section = getattr(cfg, name)
+        nested = {
+            k: dataclasses.replace(getattr(section, k), **v) for k, v in fields.items() if isinstance(v, dict)
+        }
+        flat = {k: v for k, v in fields.items() if not isinstance(v, dict)}
+        changes[name] = dataclasses.replace(section, **flat, **nested)
+    cfg = dataclasses.replace(cfg, **changes)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_path))
+
+
+def failures(cfg, num_devices=8, num_processes=1, memory=80 * GIB, urls=()):
+    return preflight.run_preflight(
+        cfg,
+        num_devices=num_devices,
+        num_processes=num_processes,
+        device_memory_bytes=memory,
+        rollout_urls=urls,
+    )
+
+
+@pytest.fixture
+def qwen(tmp_path):
+    return write_model(tmp_path / "qwen", QWEN25_05B)
+
+
+def only(lines: list[str], *fragments: str) -> None:
+    assert len(lines) == 1, lines
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_golden_parameter_counts(tmp_path):
+    # Published totals: Qwen2.5-0.5B 494,032,768 (tied, qkv bias); Llama-3-8B 8,030,261,248 (untied).
+    assert preflight.read_model_shape(write_model(tmp_path / "q", QWEN25_05B)).num_params == 494_032_768
+    assert preflight.read_model_shape(write_model(tmp_path / "l", LLAMA3_8B)).num_params == 8_030_261_248
+
+
+def test_feasible_setup_passes(qwen):
+    assert failures(make_cfg(qwen)) == []
+
+
+def test_mesh_does_not_match_devices(qwen):
+    only(failures(make_cfg(qwen, mesh={"fsdp": 3})), "mesh", "but there are 8 devices")
+
+
+def test_devices_not_spread_evenly_over_processes(qwen):
+    cfg = make_cfg(qwen, rollout={"batch_size": 48})  # 48 splits over 12 devices: only the spread is wrong
+    only(failures(cfg, num_devices=12, num_processes=8), "spread evenly", "8 processes")
+
+
+def test_global_batch_not_divisible_by_group_size(qwen):
+    cfg = make_cfg(qwen, rollout={"batch_size": 36, "group_size": 8})  # 36 does split over 4 devices
+    only(failures(cfg, num_devices=4), "rollout.batch_size", "group_size=8")
+
+
+def test_grpo_group_of_one(qwen):
+    only(failures(make_cfg(qwen, rollout={"group_size": 1})), "rollout.group_size", "at least 2")
+
+
+def test_minibatches_do_not_divide_batch(qwen):
+    only(failures(make_cfg(qwen, trainer={"minibatches": 3})), "trainer.minibatches", "batch_size=64")
+
+
+def test_micro_batch_does_not_divide_minibatch(qwen):
+    only(failures(make_cfg(qwen, trainer={"micro_batch_size": 24})), "micro_batch_size", "minibatch of 64")
+
+
+def test_micro_batch_does_not_split_over_devices(qwen):
+    lines = failures(make_cfg(qwen, trainer={"micro_batch_size": 4}))
+    only(lines, "micro_batch_size", "data*fsdp = 8", "0.5 per device")
+
+
+def test_missing_config_json(tmp_path):
+    only(failures(make_cfg(str(tmp_path / "nowhere"))), "model.path", "no config.json")
+
+
+def test_trainer_memory_exceeds_device(tmp_path):
+    llama = write_model(tmp_path / "llama", LLAMA3_8B)
+    vllm = {"urls": ("http://x",), "gpu_memory_utilization": 0.5}  # separate servers, ample budget
+    cfg = make_cfg(llama, mesh={"fsdp": 1, "data": 8}, rollout={"vllm": vllm})
+    lines = failures(cfg, urls=())  # 8,030,261,248 float32 params unsharded = 29.92 GiB
+    only(lines, "memory:", "per device", "params 29.92", "a device has 80.00 GiB")
+
+
+def test_trainer_plus_colocated_vllm_exceeds_device(tmp_path):
+    llama = write_model(tmp_path / "llama", LLAMA3_8B)
+    fits_alone = make_cfg(llama, rollout={"vllm": {"urls": ("http://x",), "gpu_memory_utilization": 0.3}})
+    assert failures(fits_alone, urls=()) == []
+    colocated = make_cfg(llama, rollout={"vllm": {"gpu_memory_utilization": 0.9}})
+    only(failures(colocated), "memory:", "vLLM's 72.00 GiB")
+
+
+def test_rollout_budget_too_small_for_weights(tmp_path):
+    llama = write_model(tmp_path / "llama", LLAMA3_8B)  # 16 GB of bf16 weights
+    only(
+        failures(make_cfg(llama, rollout={"vllm": {"gpu_memory_utilization": 0.1}})),
+        "gpu_memory_utilization",
+        "8.00 GiB",
+        "vLLM needs",
+    )
+
+
+def test_memory_estimate_parts_by_hand(qwen):
+    cfg = make_cfg(qwen, trainer={"micro_batch_size": 8}, model={"remat": True})
+    parts = preflight.estimate_train_memory(cfg, preflight.read_model_shape(qwen), num_devices=8)
+    assert parts["params"] == 494_032_768 * 4 / 8  # float32, sharded over fsdp=8
+    assert parts["optimizer"] == 2 * parts["params"] and parts["grads"] == parts["params"]
+    tokens = 1 * 512  # one sequence per device (8 over data*fsdp=8) of max_model_len 512
+    assert parts["activations"] == 24 * 2 * tokens * 896 * 2  # remat: 2*s*b*h per layer, x2 for float32
+    assert parts["logprob_chunks"] == 3 * tokens * 4096 * 4
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):
+        self.send_response(self.status if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def health_server():
+    servers = []
+
+    def start(status: int) -> str:
+        handler = type("H", (_Health,), {"status": status})
+        server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    yield start
+    for s in servers:
+        s.shutdown()
+
+
+def test_rollout_urls_reachability(qwen, health_server):
+    up, sick, down = health_server(200), health_server(503), f"http://127.0.0.1:{_closed_port()}"
+    lines = failures(make_cfg(qwen, rollout={"vllm": {"urls": (up,)}}), urls=(up, sick, down))
+    assert len(lines) == 2, lines
+    assert f"{sick} answered HTTP 503" in lines[0]
+    assert f"{down} is not reachable" in lines[1]
+
+
+def test_cli_reports_failures_one_line_each(qwen):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", RLJAX_CPU_DEVICES="2")
+    url = f"http://127.0.0.1:{_closed_port()}"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rljax.preflight",
+            "--config=configs/grpo.py:smoke",
+            f"--config.model.path={qwen}",
+            "--config.mesh.fsdp=1",
+            "--config.mesh.data=4",
+            f"--config.rollout.vllm.urls=('{url}',)",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    fails = [line for line in proc.stdout.splitlines() if line.startswith("preflight: FAIL")]
+    assert len(fails) == 2, proc.stdout
+    assert "but there are 2 devices" in fails[0] and f"{url} is not reachable" in fails[1]
+    assert "Traceback" not in proc.stderr
