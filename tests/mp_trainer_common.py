@@ -134,12 +134,12 @@ def build_checkpoint(path: str) -> str:
     return path
 
 
-def load(path: str):
-    """(ModelConfig, host numpy params) of the tiny checkpoint at `path`."""
+def load(path: str, mesh: Mesh | None = None):
+    """(ModelConfig, params) of the tiny checkpoint at `path`: host numpy, or global arrays on `mesh`."""
     from rljax import models
 
-    model_config, params = models.load_hf_checkpoint(path)
-    return model_config, jax.tree.map(np.asarray, params)
+    model_config, params = models.load_hf_checkpoint(path, mesh=mesh)
+    return model_config, params if mesh is not None else jax.tree.map(np.asarray, params)
 
 
 @functools.cache
