@@ -143,13 +143,19 @@ def load(path: str, mesh: Mesh | None = None):
 
 
 @functools.cache
+def tiny_model() -> tuple[str, object, dict]:
+    """(checkpoint dir, ModelConfig, host params) of the tiny Qwen2 model (built once per process)."""
+    ckpt = build_checkpoint(os.path.join(tempfile.mkdtemp(prefix="rljax_trainer_"), "tiny"))
+    return (ckpt, *load(ckpt))
+
+
+@functools.cache
 def reference_run() -> Reference:
-    """Builds the tiny checkpoint and runs logp, grads and one step on one device (once per process)."""
+    """Runs logp, grads and one step of the tiny model on one device (once per process)."""
     from rljax import trainer
     from rljax.trainer.step import make_grad_fn
 
-    ckpt = build_checkpoint(os.path.join(tempfile.mkdtemp(prefix="rljax_trainer_"), "tiny"))
-    model_config, params = load(ckpt)
+    ckpt, model_config, params = tiny_model()
     cfg, mesh = base_config(), mesh_of(jax.devices(), 1, 1, 1)
     inputs = loss_inputs(0, model_config.vocab_size)
     state = trainer.init_train_state(cfg, model_config, params, mesh)
