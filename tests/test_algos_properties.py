@@ -144,6 +144,10 @@ def _check_aggregation(fn):
     np.testing.assert_array_equal(f(jnp.zeros((B, T)), mask), 0.0)
     # A batch of empty rows gives 0, not NaN.
     np.testing.assert_array_equal(f(per_token, jnp.zeros((B, T))), 0.0)
+    zero_norms = {"num_tokens": 0.0, "num_seqs": 0, "max_len": 0}  # explicit zeros for an empty batch
+    np.testing.assert_array_equal(
+        jax.jit(functools.partial(fn, **zero_norms))(per_token, jnp.zeros((B, T))), 0.0
+    )
     assert np.isfinite(grad(per_token)).all()
 
 
@@ -199,40 +203,58 @@ def _make_loss(aggregation, policy_loss):
     return loss
 
 
-@pytest.mark.parametrize("policy_loss", ["ppo_clip", "gspo"])
-@pytest.mark.parametrize("aggregation", EXPECTED["LOSS_AGGREGATIONS"])
+# Every aggregation with ppo_clip; gspo (whose ratio couples a row's tokens) with the aggregation it is
+# defined with. Each case compiles two value-and-grad programs, so the grid is kept to what adds coverage.
+MICRO_CASES = [(agg, "ppo_clip") for agg in EXPECTED["LOSS_AGGREGATIONS"]] + [("seq_mean_token_mean", "gspo")]
+
+
+@pytest.mark.parametrize("aggregation,policy_loss", MICRO_CASES)
 def test_four_micro_batches_give_the_whole_batch_gradient(aggregation, policy_loss):
     x, targets, w0, w, adv = _problem()
-    mask = _mask()
     old, _ = _logp(w0, x, targets)
-    ref = old - 0.3
     behavior = old + 0.2 * jax.random.normal(jax.random.key(9), (B, T))
-    loss = _make_loss(aggregation, policy_loss)
-    global_norms = {"num_tokens": mask.sum(), "num_seqs": B, "max_len": T}
-    value_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    args = (x, targets, old, ref, behavior, adv, mask)
+    # Host arrays: slicing them into micro-batches costs no compilation.
+    args = tuple(np.asarray(a) for a in (x, targets, old, old - 0.3, behavior, adv, _mask()))
+    mask = args[-1]
+    value_grad = jax.jit(jax.value_and_grad(_make_loss(aggregation, policy_loss), has_aux=True))
+    norms = {"num_tokens": mask.sum(), "num_seqs": B, "max_len": T}  # global: the whole batch's
+    micro = lambda i, n: value_grad(w, *(a[i : i + 2] for a in args), n)
 
-    (whole, whole_metrics), whole_grad = value_grad(w, *args, global_norms)
-    parts = [value_grad(w, *(a[i : i + 2] for a in args), global_norms) for i in range(0, B, 2)]
+    (whole, whole_metrics), whole_grad = value_grad(w, *args, norms)
+    parts = [micro(i, norms) for i in range(0, B, 2)]
     np.testing.assert_allclose(sum(p[0][0] for p in parts), whole, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(sum(p[1] for p in parts), whole_grad, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(sum(np.asarray(p[1]) for p in parts), whole_grad, rtol=1e-6, atol=1e-6)
     # Metrics are masked means, so token-weighting recombines them exactly (as the trainer does).
     ntok = [mask[i : i + 2].sum() for i in range(0, B, 2)]
     for key, value in whole_metrics.items():
-        recombined = sum(p[0][1][key] * n for p, n in zip(parts, ntok, strict=True)) / mask.sum()
+        recombined = sum(float(p[0][1][key]) * n for p, n in zip(parts, ntok, strict=True)) / mask.sum()
         np.testing.assert_allclose(recombined, value, rtol=1e-6, atol=1e-6, err_msg=key)
     # The test can fail: with each micro-batch's own normalizers, summing (or, for token_mean, averaging)
     # the micro-batch gradients is far off. (Averaging is right for the seq_mean_* ones: equal row counts.)
-    local_norms = lambda i: {
-        "num_tokens": jnp.maximum(mask[i : i + 2].sum(), 1.0),
-        "num_seqs": 2,
-        "max_len": T,
-    }
-    local = [value_grad(w, *(a[i : i + 2] for a in args), local_norms(i))[1] for i in range(0, B, 2)]
+    local = [
+        np.asarray(micro(i, {"num_tokens": max(mask[i : i + 2].sum(), 1.0), "num_seqs": 2, "max_len": T})[1])
+        for i in range(0, B, 2)
+    ]
     assert np.abs(sum(local) - whole_grad).max() > 1e-3
     if aggregation == "token_mean":
         assert np.abs(sum(local) / len(local) - whole_grad).max() > 1e-3
     assert np.abs(whole_grad).max() > 1e-3
-    assert (
-        float(whole_metrics["clip_frac_low"] + whole_metrics["clip_frac_high"]) > 0
-    )  # clipping is exercised
+    assert float(whole_metrics["clip_frac_low"] + whole_metrics["clip_frac_high"]) > 0  # clipping happens
+
+
+def test_plain_functions_jit_with_options_bound_outside():
+    logp, old, adv, mask = _inputs()
+    rewards, groups = jax.random.normal(jax.random.key(2), (B,)), jnp.arange(B) % G
+    iw = jax.jit(functools.partial(algos.importance_weights, level="sequence", mode="mask", cap=2.0))
+    weights, metrics = iw(logp, old, mask)
+    assert weights.shape == (B, T) and all(np.isfinite(v) for v in metrics.values())
+    adv_t, ret = jax.jit(functools.partial(algos.gae, gamma=0.9, lam=0.95))(
+        rewards=logp, values=old, mask=mask
+    )
+    assert np.isfinite(adv_t).all() and np.isfinite(ret).all() and (np.asarray(adv_t)[mask == 0] == 0).all()
+    keep, frac = jax.jit(algos.dynamic_sampling_mask, static_argnums=2)(rewards, groups, G)
+    assert keep.dtype == bool and 0.0 <= float(frac) <= 1.0
+    shaped = jax.jit(functools.partial(algos.overlong_penalty, max_len=8, buffer=4, penalty=1.0))(
+        jnp.arange(B)
+    )
+    np.testing.assert_allclose(shaped, [0, 0, 0, 0, 0, -0.25, -0.5, -0.75])  # (4 - L)/4 for L = 5, 6, 7

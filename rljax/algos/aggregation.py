@@ -33,6 +33,11 @@ def _or(value: Normalizer, default) -> jax.Array:
     return jnp.asarray(default if value is None else value, jnp.float32)
 
 
+def _divide(total: jax.Array, normalizer: jax.Array) -> jax.Array:
+    # Floored at float32's smallest normal so an explicit 0 over an empty batch gives 0, not NaN.
+    return total / jnp.maximum(normalizer, jnp.finfo(jnp.float32).tiny)
+
+
 @LOSS_AGGREGATIONS.register("token_mean")
 def token_mean(
     per_token_loss: jax.Array,
@@ -50,7 +55,7 @@ def token_mean(
     """
     del num_seqs, max_len
     total = _masked(per_token_loss, mask).sum()
-    return total / _or(num_tokens, jnp.maximum(mask.sum(), 1.0))
+    return _divide(total, _or(num_tokens, jnp.maximum(mask.sum(), 1.0)))
 
 
 @LOSS_AGGREGATIONS.register("seq_mean_token_mean")
@@ -70,7 +75,7 @@ def seq_mean_token_mean(
     """
     del num_tokens, max_len
     per_seq = _masked(per_token_loss, mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
-    return per_seq.sum() / _or(num_seqs, mask.shape[0])
+    return _divide(per_seq.sum(), _or(num_seqs, mask.shape[0]))
 
 
 @LOSS_AGGREGATIONS.register("seq_mean_token_sum")
@@ -91,7 +96,7 @@ def seq_mean_token_sum(
     Training" (arXiv:2503.20783), sec. 3.
     """
     del num_tokens, max_len
-    return _masked(per_token_loss, mask).sum() / _or(num_seqs, mask.shape[0])
+    return _divide(_masked(per_token_loss, mask).sum(), _or(num_seqs, mask.shape[0]))
 
 
 @LOSS_AGGREGATIONS.register("seq_mean_token_sum_norm")
@@ -113,7 +118,7 @@ def seq_mean_token_sum_norm(
     """
     del num_tokens
     total = _masked(per_token_loss, mask).sum()
-    return total / (_or(num_seqs, mask.shape[0]) * _or(max_len, mask.shape[1]))
+    return _divide(total, _or(num_seqs, mask.shape[0]) * _or(max_len, mask.shape[1]))
 
 
 def token_entropy(logits: jax.Array) -> jax.Array:

@@ -100,7 +100,7 @@ def ppo_clip(
         dual_clip_c=dual_clip_c,
     )
     metrics["ratio_mean"] = masked_mean(ratio, mask)
-    return loss, metrics
+    return loss, jax.lax.stop_gradient(metrics)
 
 
 @POLICY_LOSSES.register("gspo")
@@ -139,4 +139,4 @@ def gspo(
         dual_clip_c=dual_clip_c,
     )
     metrics["ratio_mean"] = masked_mean(ratio, mask)
-    return loss, metrics
+    return loss, jax.lax.stop_gradient(metrics)
