@@ -35,6 +35,9 @@ EXTRAS = {
         "ipykernel>=6.29",
         "tensorboard>=2.16",
         "ruff>=0.6",
+        "pyarrow>=15",  # parquet prompt sources
+        "datasets>=3",  # `datasets.load_from_disk` prompt sources
+        "wandb>=0.18",  # the W&B writer's offline-mode test
     ],
 }
 

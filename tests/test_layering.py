@@ -65,7 +65,8 @@ def imports_of(path: pathlib.Path) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
+            if node.module != "rljax":  # `from rljax import algos` imports rljax.algos, not all of rljax
+                names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
@@ -85,6 +86,8 @@ def files_under(rel: str):
 @pytest.mark.parametrize("rel", sorted(RULES))
 def test_pure_layers_import_only_what_they_may(rel):
     bad = []
+    own = rel.removesuffix(".py").replace("/", ".")
+    own = "rljax.kernels" if own == "kernels" else own
     for f in files_under(rel):
         if f.name.startswith("bench_"):  # benchmarks are scripts, not the library layer
             continue
@@ -95,7 +98,7 @@ def test_pure_layers_import_only_what_they_may(rel):
                 and allowed(name.rsplit(".", 1)[0], RULES[rel])
             ):
                 continue  # `from rljax.x import y` records both rljax.x and rljax.x.y
-            if not allowed(name, RULES[rel]):
+            if not allowed(name, RULES[rel] | {own}):
                 bad.append(f"{f.relative_to(REPO)} imports {name}")
     assert not bad, "\n".join(bad)
 
@@ -107,18 +110,21 @@ def test_side_effect_packages_only_reached_from_the_host_loop():
         if rel.startswith(HOST_MODULES):
             continue
         own = rel.replace("/", ".").removesuffix(".py")
+        if any(own == pkg or own.startswith(pkg + ".") for pkg in HOST_ONLY):
+            continue  # the host-side packages may use each other (rollout <-> weight_sync)
         for name in imports_of(f):
             for pkg in HOST_ONLY:
-                if (name == pkg or name.startswith(pkg + ".")) and not own.startswith(pkg):
+                if name == pkg or name.startswith(pkg + "."):
                     bad.append(f"{rel} imports {name}")
     assert not bad, "\n".join(bad)
 
 
-def test_only_main_reads_flags():
+def test_only_entry_points_read_flags():
+    """Library code never reads flags; the CLIs (main, preflight, launch) do."""
     bad = []
     for f in sorted((REPO / "rljax").rglob("*.py")) + sorted((REPO / "kernels").rglob("*.py")):
         rel = str(f.relative_to(REPO))
-        if rel in ("rljax/main.py",) or f.name.startswith("bench_"):
+        if rel in ("rljax/main.py", "rljax/preflight.py", "rljax/launch.py") or f.name.startswith("bench_"):
             continue
         names = imports_of(f)
         if names & {"absl.flags", "ml_collections.config_flags"}:
