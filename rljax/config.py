@@ -111,6 +111,7 @@ class RolloutConfig:
 class RewardConfig:
     functions: tuple = ("math",)  # names in rljax.rewards.REWARDS or "package.module:function"
     weights: tuple = (1.0,)
+    eval_function: str = "math"  # the verifier behind eval/accuracy (a score >= 0.5 counts as correct)
     timeout_s: float = 5.0
     num_workers: int = 2
 
@@ -118,6 +119,7 @@ class RewardConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "arithmetic"  # a name in rljax.data.SOURCES
+    source_options: tuple = (("num_examples", 4000), ("max_value", 12))  # (name, value) pairs for the source
     path: str = ""  # for file sources
     prompt_field: str = "prompt"
     answer_field: str = "answer"

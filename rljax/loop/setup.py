@@ -1,0 +1,217 @@
+"""Builds everything one run needs, once: model, trainer functions, rollout engine, rewards, data, writers.
+
+`Run` holds handles, not logic: the phases in `rljax.loop.train` and `rljax.loop.rollout_phase` use them.
+Resuming restores the train state, data position, policy version and async buffer from the newest good
+checkpoint, then re-pushes the restored weights into the (new) rollout server before the first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import algos, models, trainer
+from rljax.checkpoint import Checkpointer, abstract_like
+from rljax.config import Config, mesh_shape, to_dict
+from rljax.loop.async_rollout import AsyncProducer
+from rljax.loop.data_setup import PromptStream, load_examples
+from rljax.loop.engine import make_engine
+from rljax.loop.evaluation import make_evaluator
+from rljax.loop.phases import PhaseTimer
+from rljax.loop.rollout_phase import select_groups
+from rljax.metrics import MetricsLogger, StatusWriter, device_memory_gb, host_memory_gb
+from rljax.rewards import RewardPool
+from rljax.sharding import make_mesh
+
+
+@dataclasses.dataclass
+class Run:
+    cfg: Config
+    workdir: str
+    model_config: Any
+    tokenizer: Any
+    mesh: Any
+    state: Any
+    ref_params: Any
+    update: Callable
+    shard_batch: Callable
+    advantages: Callable
+    length_shaping: Callable
+    engine: Any
+    rewards: Any
+    prompts: Any
+    evaluate: Callable
+    logger: Any
+    status: Any
+    checkpointer: Checkpointer
+    timer: PhaseTimer
+    config_dict: dict
+    start_step: int
+    stop_token_ids: tuple
+    max_sequence_length: int
+    producer: Any = None
+
+    def encode_prompt(self, example: dict) -> list[int]:
+        return list(self.tokenizer(self.prompt_text(example), add_special_tokens=False)["input_ids"])
+
+    def prompt_text(self, example: dict) -> str:
+        return self.cfg.data.template.format(**example)
+
+    def decode(self, token_ids) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def sync_weights(self, version: int) -> dict:
+        return self.engine.push_weights(self.state.params, version)
+
+    def checkpoint_extra(self) -> dict:
+        """data position, policy version, and (async) the buffered batches, consistent with each other."""
+        extra = {"policy_version": int(jax.device_get(self.state.step)), "seed": self.cfg.trainer.seed}
+        if self.producer is None:
+            return extra | {"data": self.prompts.state()}
+        snapshot = self.producer.snapshot()
+        return extra | {"data": snapshot["data"], "buffer": snapshot}
+
+    def system_metrics(self) -> dict:
+        out = {"memory/host_rss_gb": host_memory_gb()}
+        peak = device_memory_gb()
+        if peak is not None:
+            out["memory/device_peak_gb"] = peak
+        return out
+
+    def close(self) -> None:
+        for closer in (
+            getattr(self.producer, "close", None),
+            self.checkpointer.close,
+            self.engine.close,
+            self.rewards.close,
+            self.logger.close,
+            self.status.close,
+        ):
+            if closer is not None:
+                closer()
+
+
+def make_advantages(cfg: Config) -> Callable:
+    """Host-callable `fn(rewards f32[B], group_ids i32[B], num_groups) -> f32[B]` from the registry."""
+    fn = algos.ADVANTAGES.get(cfg.algo.advantage)
+    options = (
+        {"std_scale": cfg.algo.adv_std_scale, "eps": cfg.algo.adv_eps} if cfg.algo.advantage == "grpo" else {}
+    )
+    jitted = jax.jit(lambda r, g, n: fn(rewards=r, group_ids=g, num_groups=n, **options), static_argnums=2)
+    return lambda r, g, n: np.asarray(jitted(jnp.asarray(r), jnp.asarray(g), n))
+
+
+def make_length_shaping(cfg: Config) -> Callable:
+    """`fn(lengths list[int]) -> f32[B]` DAPO soft overlong penalty (zeros when algo.overlong_buffer = 0)."""
+    if cfg.algo.overlong_buffer <= 0:
+        return lambda lengths: np.zeros(len(lengths), np.float32)
+    return lambda lengths: np.asarray(
+        algos.overlong_penalty(
+            jnp.asarray(lengths, jnp.int32),
+            max_len=cfg.rollout.max_tokens,
+            buffer=cfg.algo.overlong_buffer,
+            penalty=cfg.algo.overlong_penalty,
+        ),
+        np.float32,
+    )
+
+
+def build_run(cfg: Config, workdir: str) -> Run:
+    os.makedirs(workdir, exist_ok=True)
+    sizes = mesh_shape(cfg.mesh, jax.device_count())
+    mesh = make_mesh(**sizes)
+    dtype = jnp.dtype(cfg.model.param_dtype)
+    model_config, params = models.load_hf_checkpoint(cfg.model.path, dtype=dtype, mesh=mesh)
+    model_config = dataclasses.replace(
+        model_config, compute_dtype=cfg.model.compute_dtype, remat=cfg.model.remat
+    )
+    tokenizer = models.load_tokenizer(cfg.model.path)
+    state = trainer.init_train_state(cfg, model_config, params, mesh)
+    ref_params = params if cfg.algo.beta > 0 else None
+    update = (trainer.make_ppo_update if cfg.algo.family == "ppo" else trainer.make_update)(
+        cfg, model_config, mesh
+    )
+    checkpointer = Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        keep_last=cfg.checkpoint.keep_last,
+        keep_every=cfg.checkpoint.keep_every,
+        async_save=cfg.checkpoint.async_save,
+    )
+    train_examples, eval_examples = load_examples(cfg.data)
+    prompts = PromptStream(train_examples, seed=cfg.data.seed)
+    start_step, restored = 0, checkpointer.restore_latest(abstract_like(state))
+    if restored is not None:
+        start_step, state, extra = restored
+        prompts.restore(extra["data"])
+    stop_ids = tuple(cfg.rollout.stop_token_ids) or (int(tokenizer.eos_token_id),)
+    engine = make_engine(cfg, workdir, model_config, mesh, data_parallel=sizes["data"] * sizes["fsdp"])
+    if restored is not None:  # the new server holds the base weights: push the restored ones
+        engine.push_weights(state.params, start_step)
+    process = jax.process_index()
+    logger = MetricsLogger(
+        workdir,
+        process_index=process,
+        tensorboard=cfg.metrics.tensorboard,
+        console=cfg.metrics.console,
+        wandb=_wandb(cfg),
+        total_steps=cfg.trainer.steps,
+        resume_step=start_step + 1 if start_step else 0,
+    )
+    status = StatusWriter(workdir, process)
+    run = Run(
+        cfg=cfg,
+        workdir=workdir,
+        model_config=model_config,
+        tokenizer=tokenizer,
+        mesh=mesh,
+        state=state,
+        ref_params=ref_params,
+        update=update,
+        shard_batch=lambda b: trainer.shard_batch(b, mesh),
+        advantages=make_advantages(cfg),
+        length_shaping=make_length_shaping(cfg),
+        engine=engine,
+        rewards=RewardPool(
+            list(
+                zip(cfg.reward.functions, cfg.reward.weights, [{}] * len(cfg.reward.functions), strict=True)
+            ),
+            num_workers=cfg.reward.num_workers,
+            timeout_s=cfg.reward.timeout_s,
+        ),
+        prompts=prompts,
+        evaluate=lambda: {},
+        logger=logger,
+        status=status,
+        checkpointer=checkpointer,
+        timer=PhaseTimer(on_phase=lambda name: None),
+        config_dict=to_dict(cfg),
+        start_step=start_step,
+        stop_token_ids=stop_ids,
+        max_sequence_length=cfg.rollout.vllm.max_model_len,
+    )
+    run.evaluate = make_evaluator(run, eval_examples)
+    if cfg.trainer.max_staleness > 0:
+        run.producer = AsyncProducer(
+            lambda step: select_groups(run, step),
+            start_step=start_step,
+            max_staleness=cfg.trainer.max_staleness,
+            version=start_step,
+            data_state=prompts.state,
+        )
+        if restored is not None and "buffer" in extra:
+            run.producer.restore(extra["buffer"])
+        run.producer.start()
+    run.timer = PhaseTimer(on_phase=lambda name: status.update(phase=name))
+    return run
+
+
+def _wandb(cfg: Config) -> dict | None:
+    if not cfg.metrics.wandb_project:
+        return None
+    return {"project": cfg.metrics.wandb_project, "mode": cfg.metrics.wandb_mode}

@@ -1,0 +1,78 @@
+"""The host loop: a short sequence of named, timed phases per step.
+
+prompts -> rollout (vLLM) -> rewards -> trajectories (LossInputs) -> update (old/ref log-probs inside)
+-> weight sync -> metrics -> checkpoint. Everything numeric is in jitted functions built once in
+`rljax.loop.setup.build_run`; this module only sequences them and does the I/O.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from rljax.config import Config
+from rljax.loop import rollout_phase
+from rljax.loop.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
+from rljax.loop.setup import Run, build_run
+
+
+def train(cfg: Config, workdir: str) -> None:
+    """Trains for `trainer.steps` steps in `workdir`, resuming from its latest checkpoint if any."""
+    run = build_run(cfg, workdir)
+    watch = PreemptionWatch()
+    try:
+        if run.start_step == 0:
+            run.logger.write(0, run.evaluate() | {"policy/version": 0.0})
+        for step in range(run.start_step, cfg.trainer.steps):
+            run_step(run, step)
+            last = step + 1 == cfg.trainer.steps
+            if watch.should_stop():
+                save_checkpoint(run, step + 1)
+                run.checkpointer.wait()
+                print(
+                    f"rljax: preempted; saved step {step + 1}, exiting for requeue",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                sys.exit(PREEMPTED_EXIT_CODE)
+            if last or (step + 1) % cfg.checkpoint.every_steps == 0:
+                save_checkpoint(run, step + 1)
+        print(f"rljax: finished {cfg.trainer.steps} steps in {run.workdir}", flush=True)
+    finally:
+        watch.restore()
+        run.close()
+
+
+def run_step(run: Run, step: int) -> dict:
+    """One RL step; returns the metrics it wrote for `step + 1` (the policy version it produces)."""
+    cfg, timer = run.cfg, run.timer
+    with timer.phase("rollout"):
+        groups, rollout_metrics = rollout_phase.collect(run, step)
+    with timer.phase("batch"):
+        batch, batch_metrics = rollout_phase.to_loss_inputs(run, groups, step)
+        sharded = run.shard_batch(batch)
+    with timer.phase("update"):
+        run.state, update_metrics = run.update(run.state, sharded, run.ref_params)
+    version = step + 1
+    with timer.phase("weight_sync"):
+        sync_metrics = run.sync_weights(version)
+    if run.producer is not None:
+        run.producer.set_version(version)
+    metrics = rollout_metrics | batch_metrics | update_metrics | sync_metrics
+    metrics["policy/version"] = float(version)
+    if cfg.trainer.eval_every and (version % cfg.trainer.eval_every == 0 or version == cfg.trainer.steps):
+        with timer.phase("eval"):
+            metrics |= run.evaluate()
+    metrics |= timer.reset()
+    tokens = float(np.sum(batch.loss_mask))
+    metrics["throughput/update_tokens_per_s"] = tokens / max(metrics.get("timing/update_s", 0.0), 1e-9)
+    metrics |= run.system_metrics()
+    run.logger.write(version, metrics)
+    run.status.update(step=version, phase="step_done", policy_version=version, total_steps=cfg.trainer.steps)
+    return metrics
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    with run.timer.phase("checkpoint"):
+        run.checkpointer.save(step, run.state, run.checkpoint_extra(), run.config_dict)
