@@ -1,0 +1,126 @@
+"""`VLLMEngine`: the rollout servers (owned or connected), the rollout client and the weight syncer.
+
+    engine = VLLMEngine.launch(model_path, workdir)          # or VLLMEngine.connect(urls, model_path)
+    completions = engine.generate(prompt_ids, n=8, temperature=1.0, max_tokens=64, stop_token_ids=[eos])
+    metrics = engine.push_weights(models.iter_hf_tensors(cfg, params), step, trainer_logprobs=fn)
+    engine.recover(models.iter_hf_tensors(cfg, params), step, trainer_logprobs=fn)  # after a fault
+
+`model_path` is the local checkpoint directory the servers loaded: the syncer checks names and shapes
+against its safetensors headers and sizes the canary from its `config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import requests
+
+from rljax.rollout.client import ClientOptions, Completion, RolloutClient
+from rljax.rollout.server import ServerOptions, VLLMServer
+from rljax.weight_sync.canary import TrainerLogprobs, make_canary
+from rljax.weight_sync.gate import PolicyGate
+from rljax.weight_sync.syncer import SyncOptions, WeightSyncer
+from rljax.weight_sync.wire import read_checkpoint_spec
+
+
+def served_model_name(url: str, timeout_s: float = 10.0) -> str:
+    """The id of the (single) model a server serves, from `/v1/models`."""
+    r = requests.get(url + "/v1/models", timeout=timeout_s)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+class VLLMEngine:
+    """Generation + verified weight push over one or more vLLM servers; see the module docstring."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        model_path: str | os.PathLike,
+        *,
+        servers: Sequence[VLLMServer] = (),
+        client_options: ClientOptions = ClientOptions(),
+        sync_options: SyncOptions = SyncOptions(),
+        version: int = 0,
+    ):
+        self.urls, self.model_path, self.servers = list(urls), str(model_path), list(servers)
+        self.gate = PolicyGate(version)
+        model = served_model_name(self.urls[0])
+        vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+        self.client = RolloutClient(self.urls, model, gate=self.gate, options=client_options)
+        self.syncer = WeightSyncer(
+            self.urls,
+            model,
+            spec=read_checkpoint_spec(model_path),
+            canary=make_canary(vocab),
+            gate=self.gate,
+            options=sync_options,
+        )
+
+    @classmethod
+    def launch(
+        cls,
+        model_path: str | os.PathLike,
+        workdir: str | os.PathLike,
+        *,
+        replicas: int = 1,
+        host: str = "127.0.0.1",
+        server_options: ServerOptions = ServerOptions(),
+        **kwargs,
+    ) -> VLLMEngine:
+        """Starts `replicas` servers (logs in `workdir/replica_<i>/`) and connects to them."""
+        servers = []
+        try:
+            for i in range(replicas):
+                servers.append(
+                    VLLMServer(
+                        model_path, Path(workdir) / f"replica_{i}", host=host, options=server_options
+                    ).start()
+                )
+            return cls([s.url for s in servers], model_path, servers=servers, **kwargs)
+        except BaseException:
+            for s in servers:
+                s.stop()
+            raise
+
+    @classmethod
+    def connect(cls, urls: Sequence[str], model_path: str | os.PathLike, **kwargs) -> VLLMEngine:
+        """Uses servers started elsewhere (same host for the shm transport)."""
+        return cls(urls, model_path, **kwargs)
+
+    @property
+    def version(self) -> int:
+        return self.gate.version
+
+    def generate(self, prompts: Sequence[Sequence[int]], **sampling) -> list[Completion]:
+        """See `RolloutClient.generate`."""
+        return self.client.generate(prompts, **sampling)
+
+    def push_weights(
+        self, tensors: Iterable[tuple[str, np.ndarray]], version: int, *, trainer_logprobs: TrainerLogprobs
+    ) -> dict[str, float]:
+        """See `WeightSyncer.sync`; returns the weight_sync/* metrics."""
+        return self.syncer.sync(tensors, version, trainer_logprobs)
+
+    def recover(
+        self, tensors: Iterable[tuple[str, np.ndarray]], version: int, *, trainer_logprobs: TrainerLogprobs
+    ) -> dict[str, float]:
+        """Restarts owned servers that died, then re-pushes the full state (which also repairs a live
+        server left with mixed weights by a failed sync)."""
+        for s in self.servers:
+            if not s.alive():
+                s.restart()
+        self.syncer.reset()
+        return self.push_weights(tensors, version, trainer_logprobs=trainer_logprobs)
+
+    def metrics(self) -> dict[str, float]:
+        return self.client.metrics()
+
+    def close(self) -> None:
+        self.client.close()
+        for s in self.servers:
+            s.stop()

@@ -1,0 +1,213 @@
+"""A vLLM OpenAI-compatible server owned by rljax: command line, process lifecycle, health check.
+
+`VLLMServer(model_path, workdir).start()` runs `python -m vllm.entrypoints.openai.api_server` as a child
+process in its own process group, with:
+
+- loopback by default: the RL weight-update endpoints (`/pause`, `/update_weights`, ...) exist only with
+  `VLLM_SERVER_DEV_MODE=1` and are not covered by `--api-key`, so the server must not be reachable
+  from untrusted networks;
+- `--weight-transfer-config {"backend": "shm"}`: rljax's host-staged backend, registered inside vLLM by
+  the `vllm.general_plugins` entry point `rljax.weight_sync.vllm_plugin:register`;
+- `--logprobs-mode processed_logprobs`: the log-prob convention of `rljax.rollout.client`;
+- float32 weights, eager mode, its log in `<workdir>/vllm_server.log` (appended across restarts).
+
+`stop()` sends SIGTERM to the group and SIGKILL after a grace period; `restart()` keeps host and port.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+
+class ServerError(RuntimeError):
+    """The vLLM server failed to start, died, or did not become healthy in time."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """Command-line and environment settings of an owned vLLM server (one default each, here)."""
+
+    dtype: str = "float32"
+    max_model_len: int = 512
+    gpu_memory_utilization: float = 0.15  # on the CPU build: fraction of host RAM reserved
+    kvcache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (CPU build only)
+    weight_transfer_backend: str = "shm"
+    logprobs_mode: str = "processed_logprobs"
+    max_logprobs: int = 20
+    seed: int = 0
+    enforce_eager: bool = True
+    startup_timeout_s: float = 300.0
+    stop_grace_s: float = 10.0
+    extra_args: tuple[str, ...] = ()
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago (bound to port 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(model_path: str, host: str, port: int, options: ServerOptions) -> list[str]:
+    """The argv that starts vLLM's OpenAI server for `model_path` on `host:port`."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        options.dtype,
+        "--max-model-len",
+        str(options.max_model_len),
+        "--gpu-memory-utilization",
+        str(options.gpu_memory_utilization),
+        "--seed",
+        str(options.seed),
+        "--max-logprobs",
+        str(options.max_logprobs),
+        "--logprobs-mode",
+        options.logprobs_mode,
+        "--weight-transfer-config",
+        json.dumps({"backend": options.weight_transfer_backend}),
+        "--disable-uvicorn-access-log",
+    ]
+    if options.enforce_eager:
+        cmd.append("--enforce-eager")
+    return cmd + list(options.extra_args)
+
+
+def server_env(options: ServerOptions) -> dict[str, str]:
+    """The child's environment: dev-mode RL endpoints on, CPU KV cache bounded, no JAX device flags."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the parent's simulated JAX devices mean nothing to vLLM
+    env |= {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(options.kvcache_space_gib),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    return env | dict(options.extra_env)
+
+
+class VLLMServer:
+    """One vLLM server child process. Use `start()` (or as a context manager), `url`, `stop()`."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        workdir: str | os.PathLike,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        options: ServerOptions = ServerOptions(),
+    ):
+        self.model_path = str(model_path)
+        self.workdir = Path(workdir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.options = options
+        self.log_path = self.workdir / "vllm_server.log"
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def alive(self) -> bool:
+        """True while the child process runs (it may not be healthy yet)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> VLLMServer:
+        """Starts the child and blocks until `/health` answers 200; raises ServerError with the log tail."""
+        if self.alive():
+            raise ServerError(f"server on {self.url} is already running (pid {self.pid})")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cmd = server_command(self.model_path, self.host, self.port, self.options)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== rljax: starting {' '.join(cmd)}\n".encode())
+            self._proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=server_env(self.options),
+                start_new_session=True,
+            )
+        self.wait_healthy(self.options.startup_timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Polls `/health` until 200; raises ServerError if the child exits or `timeout_s` passes."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServerError(f"vLLM server exited with code {self._proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerError(f"vLLM server not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM to the whole process group (API server + engine core), SIGKILL after the grace period."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self._proc.wait(self.options.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self._proc.wait(30)
+        self._signal(signal.SIGKILL)  # engine-core children can outlive a clean API-server exit
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL to the group at once (fault injection: the server dies mid-whatever)."""
+        if self._proc is not None:
+            self._signal(signal.SIGKILL)
+            self._proc.wait(30)
+
+    def restart(self) -> VLLMServer:
+        """Stops (if needed) and starts again on the same host and port; the weights are the checkpoint's."""
+        self.stop()
+        return self.start()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,128 @@
+"""The canary: after each sync, the server's log-probs of fixed tokens must match the trainer's.
+
+Two probes per server, both compared with `trainer_logprobs(prompt_ids, completion_ids) -> f32[C]`
+(the trainer's log-probs of each completion token at temperature 1, no truncation):
+
+1. prompt log-probs of `prompt + completion` (`prompt_logprobs=0`, one forward over the whole
+   sequence; vLLM computes these without the prefix cache), a fixed, non-trivial completion;
+2. a greedy continuation of the prompt with `logprobs=0`: greedy requests report log_softmax of the
+   unscaled logits, and this request reuses the prefix cache, whose blocks for this prompt were filled
+   by the previous canary under the previous weights; a cache not cleared by the sync shows here.
+
+The prompt spans several KV blocks so probe 2 really hits the cache. Failure raises `CanaryError`
+with the max / mean absolute differences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import requests
+
+TrainerLogprobs = Callable[[list[int], list[int]], np.ndarray]
+
+
+class CanaryError(RuntimeError):
+    """Server and trainer log-probs disagree beyond the tolerance (or the server answered badly)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CanarySpec:
+    """Fixed canary tokens: `prompt_ids i32[P]`, `completion_ids i32[C]`, greedy continuation length."""
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    greedy_tokens: int = 8
+
+
+def make_canary(
+    vocab_size: int, *, prompt_len: int = 272, completion_len: int = 24, seed: int = 1234
+) -> CanarySpec:
+    """Deterministic pseudo-random canary tokens in [1, vocab_size); 272 prompt tokens fill >= 2 KV blocks
+    of any block size up to 128, so the greedy probe reuses cached blocks."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocab_size, size=prompt_len + completion_len)
+    return CanarySpec(tuple(int(t) for t in ids[:prompt_len]), tuple(int(t) for t in ids[prompt_len:]))
+
+
+def _post(url: str, body: dict, timeout_s: float) -> dict:
+    try:
+        r = requests.post(url + "/v1/completions", json=body, timeout=timeout_s)
+    except requests.RequestException as e:
+        raise CanaryError(f"canary request to {url} failed: {e}") from e
+    if r.status_code != 200:
+        raise CanaryError(f"canary request to {url} failed: HTTP {r.status_code}: {r.text[:500]}")
+    return r.json()["choices"][0]
+
+
+def server_prompt_logprobs(
+    url: str, model: str, prompt_ids: list[int], completion_ids: list[int], timeout_s: float = 30.0
+) -> np.ndarray:
+    """The server's log-prob of each completion token after `prompt_ids`: f32[len(completion_ids)]."""
+    body = {
+        "model": model,
+        "prompt": list(prompt_ids) + list(completion_ids),
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "prompt_logprobs": 0,
+    }
+    entries = _post(url, body, timeout_s)["prompt_logprobs"]
+    tail = entries[len(prompt_ids) :]
+    out = []
+    for tok, entry in zip(completion_ids, tail, strict=True):
+        if not entry or str(tok) not in entry:
+            raise CanaryError(f"server returned no prompt log-prob for token {tok}")
+        out.append(entry[str(tok)]["logprob"])
+    return np.asarray(out, np.float32)
+
+
+def server_greedy(
+    url: str, model: str, prompt_ids: list[int], max_tokens: int, timeout_s: float = 30.0
+) -> tuple[list[int], np.ndarray]:
+    """Greedy continuation `(token_ids, logprobs f32[T])` of `prompt_ids` (EOS ignored)."""
+    body = {
+        "model": model,
+        "prompt": list(prompt_ids),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
+    choice = _post(url, body, timeout_s)
+    return list(choice["token_ids"]), np.asarray(choice["logprobs"]["token_logprobs"], np.float32)
+
+
+def check_canary(
+    url: str,
+    model: str,
+    spec: CanarySpec,
+    trainer_logprobs: TrainerLogprobs,
+    *,
+    tolerance: float,
+    timeout_s: float = 30.0,
+) -> tuple[float, float]:
+    """Runs both probes on one server; returns (max, mean) abs diff or raises CanaryError."""
+    prompt, completion = list(spec.prompt_ids), list(spec.completion_ids)
+    server = [server_prompt_logprobs(url, model, prompt, completion, timeout_s)]
+    trainer = [np.asarray(trainer_logprobs(prompt, completion), np.float32)]
+    greedy_ids, greedy_lp = server_greedy(url, model, prompt, spec.greedy_tokens, timeout_s)
+    server.append(greedy_lp)
+    trainer.append(np.asarray(trainer_logprobs(prompt, greedy_ids), np.float32))
+    diffs = []
+    for probe, (s, t) in zip(
+        ("prompt_logprobs", "greedy (prefix cache)"), zip(server, trainer, strict=True), strict=True
+    ):
+        if s.shape != t.shape:
+            raise CanaryError(f"canary {probe}: trainer gave shape {t.shape}, server {s.shape}")
+        d = np.abs(s.astype(np.float64) - t.astype(np.float64))
+        if not np.all(np.isfinite(d)) or d.max() > tolerance:
+            raise CanaryError(
+                f"canary {probe} on {url}: server log-probs differ from the trainer's by max {d.max():.3g}, "
+                f"mean {d.mean():.3g} (tolerance {tolerance:g}): the server is not serving the pushed weights"
+            )
+        diffs.append(d)
+    d = np.concatenate(diffs)
+    return float(d.max()), float(d.mean())

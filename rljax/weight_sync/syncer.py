@@ -1,0 +1,290 @@
+"""Trainer side of a weight sync: stage -> pause -> load through vLLM's RL endpoints -> verify -> resume.
+
+One `WeightSyncer.sync(tensors, version, trainer_logprobs)` call:
+
+1. stage: `tensors` (e.g. `rljax.models.iter_hf_tensors(config, params)`) into bucket files
+   (`staging.stage_buckets`), names and shapes checked against the served checkpoint. With
+   `prestage=True` (default) this finishes before the pause, so generation waits only for the engine;
+   with `prestage=False` at most two buckets exist at once, staged while the engine loads the previous.
+2. under the gate's exclusive side (no generate batch in flight): `/pause?mode=wait` (clears the prefix
+   cache), `/start_weight_update`, one `/update_weights` per bucket, `/finish_weight_update` with the
+   version, `/resume`, on every replica in turn.
+3. the canary (`rljax.weight_sync.canary`) on every replica, then the gate's version becomes `version`.
+
+Any failure raises `WeightSyncError` (within the HTTP timeouts; a dead server fails at once). If the
+engine may hold a mix of old and new weights, the replica stays paused and the gate is marked broken,
+so generation refuses to run until a later full sync (after `restart` if the server died) succeeds.
+
+Metrics: weight_sync/{seconds, bytes, gb_per_s, stage_seconds, pause_seconds, engine_seconds,
+canary_logprob_max_abs_diff, canary_logprob_mean_abs_diff}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import requests
+
+from rljax.weight_sync import canary as canary_lib
+from rljax.weight_sync.gate import PolicyGate
+from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, Bucket, stage_buckets
+
+
+class WeightSyncError(RuntimeError):
+    """A sync failed: a tensor was rejected, a server died or timed out, or the canary disagreed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncOptions:
+    bucket_bytes: int = 64 * 2**20
+    prestage: bool = True
+    checksums: bool = False
+    canary_tolerance: float = 1e-4
+    staging_dir: str = DEFAULT_STAGING_DIR
+    control_timeout_s: float = 30.0  # pause, start, finish, resume, canary requests
+    update_timeout_s: float = 120.0  # one bucket
+    clear_prefix_cache: bool = True  # False only to show that the canary catches a stale cache
+    repack_tied_lm_head: bool = True  # False only to show that the canary catches vLLM's tied-head bug
+
+
+class WeightSyncer:
+    """Pushes weights into one or more vLLM servers started with `--weight-transfer-config
+    '{"backend": "shm"}'` (same host: the bucket files live in `staging_dir`)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        model: str,
+        *,
+        spec: dict | None,
+        canary: canary_lib.CanarySpec,
+        gate: PolicyGate,
+        options: SyncOptions = SyncOptions(),
+    ):
+        self.urls, self.model, self.spec, self.canary = list(urls), model, spec, canary
+        self.gate, self.options = gate, options
+        self._initialized: set[str] = set()
+
+    def _post(
+        self,
+        url: str,
+        path: str,
+        body: dict | None = None,
+        *,
+        timeout_s: float | None = None,
+        params: dict | None = None,
+    ) -> dict:
+        try:
+            r = requests.post(
+                url + path,
+                json=body,
+                params=params,
+                timeout=(5.0, timeout_s or self.options.control_timeout_s),
+            )
+        except requests.RequestException as e:
+            raise WeightSyncError(f"{path} on {url} failed: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise WeightSyncError(f"{path} on {url} failed: HTTP {r.status_code}: {r.text[:1000]}")
+        return r.json()
+
+    def reset(self) -> None:
+        """Forget per-server state (call after a server restart)."""
+        self._initialized.clear()
+
+    def _init(self, url: str) -> None:
+        if url not in self._initialized:
+            info = {"repack_tied_lm_head": self.options.repack_tied_lm_head}
+            self._post(url, "/init_weight_transfer_engine", {"init_info": info})
+            self._initialized.add(url)
+
+    def server_version(self, url: str) -> str | None:
+        """The weight version a server reports (`/weight_info`)."""
+        try:
+            r = requests.get(url + "/weight_info", timeout=self.options.control_timeout_s)
+            r.raise_for_status()
+        except requests.RequestException as e:
+            raise WeightSyncError(f"/weight_info on {url} failed: {e}") from e
+        return r.json()["weight_version"]
+
+    def _stage(self, tensors: Iterable[tuple[str, np.ndarray]]) -> Iterator[Bucket]:
+        o = self.options
+        return stage_buckets(
+            tensors,
+            bucket_bytes=o.bucket_bytes,
+            directory=o.staging_dir,
+            checksums=o.checksums,
+            spec=self.spec,
+        )
+
+    def sync(
+        self,
+        tensors: Iterable[tuple[str, np.ndarray]],
+        version: int,
+        trainer_logprobs: canary_lib.TrainerLogprobs,
+    ) -> dict[str, float]:
+        """Pushes `tensors` to every server as policy `version`, verifies, resumes; returns metrics."""
+        t0 = time.perf_counter()
+        staged: list[Bucket] = []
+        try:
+            if self.options.prestage:
+                staged = self._checked(lambda: list(self._stage(tensors)))
+                self._check_complete(staged)
+                source: Iterable[Bucket] = staged
+            else:
+                source = _Prefetch(self._stage(tensors), depth=1)
+            t_staged = time.perf_counter()
+            with self.gate.exclusive(self.options.update_timeout_s):
+                pause_s, engine_s, nbytes = self._push(source, version)
+                diffs = [
+                    self._checked(
+                        lambda u=u: canary_lib.check_canary(
+                            u,
+                            self.model,
+                            self.canary,
+                            trainer_logprobs,
+                            tolerance=self.options.canary_tolerance,
+                            timeout_s=self.options.control_timeout_s,
+                        )
+                    )
+                    for u in self.urls
+                ]
+                self.gate.version, self.gate.broken = version, None
+        finally:
+            for b in staged:
+                b.unlink()
+        seconds = time.perf_counter() - t0
+        return {
+            "weight_sync/seconds": seconds,
+            "weight_sync/bytes": float(nbytes),
+            "weight_sync/gb_per_s": nbytes / 1e9 / max(seconds, 1e-9),
+            "weight_sync/stage_seconds": t_staged - t0,
+            "weight_sync/pause_seconds": pause_s,
+            "weight_sync/engine_seconds": engine_s,
+            "weight_sync/canary_logprob_max_abs_diff": max(d[0] for d in diffs),
+            "weight_sync/canary_logprob_mean_abs_diff": float(np.mean([d[1] for d in diffs])),
+        }
+
+    def _check_complete(self, staged: list[Bucket]) -> None:
+        """Raises naming the first checkpoint tensor that was not staged (pre-staged syncs only)."""
+        if self.spec is None:
+            return
+        missing = sorted(set(self.spec) - {e.name for b in staged for e in b.entries})
+        if missing:
+            raise WeightSyncError(
+                f"weight sync: tensor {missing[0]!r} was not pushed ({len(missing)} missing)"
+            )
+
+    @staticmethod
+    def _checked(fn):
+        try:
+            return fn()
+        except (ValueError, OSError, canary_lib.CanaryError) as e:
+            raise WeightSyncError(str(e)) from e
+
+    def _push(self, buckets: Iterable[Bucket], version: int) -> tuple[float, float, int]:
+        """Pause, load every bucket into every server, finish, resume. Returns (pause s, engine s, bytes)."""
+        o, copy = self.options, not self.options.prestage
+        for url in self.urls:
+            self._init(url)
+        t_pause = time.perf_counter()
+        for url in self.urls:
+            self._post(
+                url, "/pause", params={"mode": "wait", "clear_cache": str(o.clear_prefix_cache).lower()}
+            )
+        engine_s, nbytes = 0.0, 0
+        self.gate.broken = "a weight sync was interrupted; the servers may hold mixed weights"
+        try:
+            for url in self.urls:
+                self._post(url, "/start_weight_update")
+            for bucket in _rejecting(buckets):
+                t = time.perf_counter()
+                for url in self.urls:
+                    self._post(
+                        url,
+                        "/update_weights",
+                        {"update_info": bucket.update_info(copy=copy)},
+                        timeout_s=o.update_timeout_s,
+                    )
+                engine_s += time.perf_counter() - t
+                nbytes += bucket.nbytes
+                if copy:
+                    bucket.unlink()
+            t = time.perf_counter()
+            for url in self.urls:
+                self._post(
+                    url,
+                    "/finish_weight_update",
+                    {"weight_version": str(version)},
+                    timeout_s=o.update_timeout_s,
+                )
+            engine_s += time.perf_counter() - t
+        except BaseException:
+            for url in self.urls:  # finalize so no layer stays on the meta device; stay paused (broken)
+                try:
+                    self._post(url, "/finish_weight_update", timeout_s=o.control_timeout_s)
+                except WeightSyncError:
+                    pass
+            raise
+        for url in self.urls:
+            self._post(url, "/resume")
+        return time.perf_counter() - t_pause, engine_s, nbytes
+
+
+def _rejecting(buckets: Iterable[Bucket]) -> Iterator[Bucket]:
+    """`buckets`, with a staging error (a rejected tensor, a full disk) raised as WeightSyncError."""
+    it = iter(buckets)
+    while True:
+        try:
+            bucket = next(it)
+        except StopIteration:
+            return
+        except (ValueError, OSError) as e:
+            raise WeightSyncError(str(e)) from e
+        yield bucket
+
+
+class _Prefetch:
+    """Iterates `it` in a background thread, `depth` items ahead (pipelined staging)."""
+
+    def __init__(self, it: Iterator[Bucket], depth: int):
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(it,), daemon=True)
+        self._thread.start()
+
+    def _run(self, it: Iterator[Bucket]) -> None:
+        try:
+            for item in it:
+                while not self._stop.is_set():
+                    try:
+                        self._q.put(("item", item), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    item.unlink()
+                    return
+            self._q.put(("done", None))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            self._q.put(("error", e))
+
+    def __iter__(self) -> Iterator[Bucket]:
+        try:
+            while True:
+                kind, value = self._q.get()
+                if kind == "done":
+                    return
+                if kind == "error":
+                    raise value
+                yield value
+        finally:
+            self._stop.set()
+            while not self._q.empty():
+                kind, value = self._q.get_nowait()
+                if kind == "item":
+                    value.unlink()

@@ -1,0 +1,19 @@
+"""vLLM plugin (entry point `vllm.general_plugins: rljax_weight_transfer`): registers the "shm" backend.
+
+vLLM calls `register()` in every process that loads plugins (API server, engine core, workers), so it
+must be idempotent and cheap: the engine module (torch, vllm internals) is imported lazily by the factory
+only where the backend is actually built.
+"""
+
+from __future__ import annotations
+
+BACKENDS = {"shm": ("rljax.weight_sync.vllm_engine", "ShmWeightTransferEngine")}
+
+
+def register() -> None:
+    """Adds rljax's backends to `WeightTransferEngineFactory` (a no-op for names already present)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    for name, (module, cls) in BACKENDS.items():
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, module, cls)

@@ -1,0 +1,126 @@
+"""The wire format of rljax's host-staged weight transfer, shared by the trainer and vLLM's workers.
+
+A bucket is one file (in `/dev/shm` when trainer and server share a host) holding raw C-order tensor
+bytes back to back, each at a 64-byte-aligned offset. Its `update_info` (JSON, never pickle) is::
+
+    {"path": str, "bucket": int, "copy": bool,
+     "tensors": [[name, dtype, shape, offset, nbytes, crc32 | None], ...]}
+
+`dtype` is a name from `DTYPES`; `crc32` (zlib) is set when checksums are on; `copy` asks the worker
+to copy tensors out of the mapping so the trainer may reuse the file once the call returns.
+The expected names and shapes come from the checkpoint the server loaded (`read_checkpoint_spec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from pathlib import Path
+
+ALIGN = 64
+DTYPES = ("float32", "bfloat16", "float16")
+_ST_TO_NAME = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor sits in a bucket file (`offset`, `nbytes` in bytes)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    crc32: int | None = None
+
+    def to_wire(self) -> list:
+        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes, self.crc32]
+
+    @staticmethod
+    def from_wire(item: list) -> TensorEntry:
+        name, dtype, shape, offset, nbytes, crc = item
+        return TensorEntry(
+            str(name),
+            str(dtype),
+            tuple(int(s) for s in shape),
+            int(offset),
+            int(nbytes),
+            None if crc is None else int(crc),
+        )
+
+
+def aligned(n: int) -> int:
+    """`n` rounded up to a multiple of `ALIGN`."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def itemsize(dtype: str) -> int:
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported wire dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    return 4 if dtype == "float32" else 2
+
+
+def update_info(path: str, bucket: int, entries: list[TensorEntry], *, copy: bool) -> dict:
+    """The JSON `update_info` of one bucket file."""
+    return {
+        "path": str(path),
+        "bucket": int(bucket),
+        "copy": bool(copy),
+        "tensors": [e.to_wire() for e in entries],
+    }
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """`{name: (shape, dtype name)}` from one .safetensors file's JSON header (reads no tensor data)."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return {k: (tuple(v["shape"]), _ST_TO_NAME.get(v["dtype"], v["dtype"])) for k, v in header.items()}
+
+
+def read_checkpoint_spec(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """`{hf_name: (shape, dtype name)}` of every tensor in a local Hugging Face checkpoint directory."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    spec: dict = {}
+    for f in files:
+        spec |= read_safetensors_header(f)
+    return spec
+
+
+def check_entries(
+    entries: list[TensorEntry], spec: dict, seen: set[str], file_size: int | None = None
+) -> None:
+    """Raises ValueError naming the first tensor that is unknown to `spec`, has the wrong shape, a bad
+    dtype or byte range, or was already pushed in this update (`seen`, updated in place on success)."""
+    names = set()
+    for e in entries:
+        if e.name not in spec:
+            raise ValueError(f"weight sync: unknown tensor {e.name!r} (not in the served checkpoint)")
+        shape, _ = spec[e.name]
+        if tuple(e.shape) != tuple(shape):
+            raise ValueError(
+                f"weight sync: tensor {e.name!r} has shape {tuple(e.shape)}, expected {tuple(shape)}"
+            )
+        size = itemsize(e.dtype)
+        count = 1
+        for s in e.shape:
+            count *= s
+        if (
+            e.nbytes != count * size
+            or e.offset < 0
+            or (file_size is not None and e.offset + e.nbytes > file_size)
+        ):
+            raise ValueError(f"weight sync: tensor {e.name!r} has a bad byte range ({e.offset}, {e.nbytes})")
+        if e.name in seen or e.name in names:
+            raise ValueError(f"weight sync: tensor {e.name!r} pushed twice in one update")
+        names.add(e.name)
+    seen |= names
+
+
+def missing_names(spec: dict, seen: set[str], optional: frozenset[str] = frozenset()) -> list[str]:
+    """Names in `spec` (minus `optional`) that an update did not push, sorted."""
+    return sorted(set(spec) - seen - optional)

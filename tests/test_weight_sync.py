@@ -1,0 +1,126 @@
+"""Weight sync into a real vLLM server (CPU build): exact log-probs after each update, versions, rejection,
+and the canary catching each known CPU pitfall (tied lm_head, stale prefix cache)."""
+
+import numpy as np
+import pytest
+from vllm_server import perturbed
+
+from rljax.rollout import RolloutError
+from rljax.weight_sync import SyncOptions, WeightSyncer, WeightSyncError
+from rljax.weight_sync.canary import server_prompt_logprobs
+
+pytestmark = pytest.mark.vllm
+
+# vLLM's CPU kernels and transformers accumulate float32 in different orders: ~5e-6 measured.
+TOL = 1e-4
+PROBE_PROMPT = [3, 141, 59, 26, 53, 58, 97, 93, 23, 84]
+PROBE_COMPLETION = [62, 64, 33, 83, 27, 95, 2, 88, 41, 97, 16, 93, 99, 37, 51, 5]
+
+
+def _assert_serves_reference(served, version: int) -> None:
+    """Server log-probs of a probe (not the canary's tokens) match the reference; versions agree."""
+    engine = served.engine
+    got = server_prompt_logprobs(engine.urls[0], engine.client.model, PROBE_PROMPT, PROBE_COMPLETION)
+    want = served.ref.logprobs(PROBE_PROMPT, PROBE_COMPLETION)
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+    assert engine.syncer.server_version(engine.urls[0]) == str(version)
+    assert engine.version == version
+    (c,) = engine.generate([PROBE_PROMPT], n=1, temperature=0.0, max_tokens=4, seed=0)
+    assert c.policy_version == version
+
+
+def _sync_several_updates(served, bucket_bytes: int) -> None:
+    base = served.ref.state()
+    start = served.engine.version
+    # update 1: pre-staged; 2: pipelined (two buckets at a time, worker copies); 3: pre-staged + checksums
+    variants = [{}, {"prestage": False}, {"checksums": True}]
+    for k, extra in enumerate(variants, start=1):
+        state = perturbed(base, seed=100 * start + k)
+        metrics = served.push(state, start + k, bucket_bytes=bucket_bytes, **extra)
+        assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= TOL
+        assert (
+            metrics["weight_sync/canary_logprob_mean_abs_diff"]
+            <= metrics["weight_sync/canary_logprob_max_abs_diff"]
+        )
+        assert metrics["weight_sync/bytes"] == sum(v.nbytes for v in state.values())
+        assert 0 < metrics["weight_sync/pause_seconds"] <= metrics["weight_sync/seconds"]
+        _assert_serves_reference(served, start + k)
+
+
+def test_qwen2_tied_several_updates_match_transformers(served_qwen2):
+    # 40 KiB buckets: layers split across buckets, several tensors per bucket, the embedding alone.
+    _sync_several_updates(served_qwen2, bucket_bytes=40 * 1024)
+
+
+def test_llama_untied_several_updates_match_transformers(served_llama):
+    _sync_several_updates(served_llama, bucket_bytes=100 * 1024)
+
+
+def test_bad_name_or_shape_rejected_before_pause_and_server_keeps_serving(served_qwen2):
+    engine, version = served_qwen2.engine, served_qwen2.engine.version
+    good = served_qwen2.ref.state()
+    bad_name = {**good, "model.layers.0.mlp.gate_projj.weight": good["model.layers.0.mlp.gate_proj.weight"]}
+    with pytest.raises(WeightSyncError, match="gate_projj"):
+        engine.push_weights(iter(bad_name.items()), version + 1, trainer_logprobs=served_qwen2.ref.logprobs)
+    bad_shape = {**good, "model.norm.weight": np.ones(129, np.float32)}
+    with pytest.raises(WeightSyncError, match=r"model\.norm\.weight.*\(129,\)"):
+        engine.push_weights(iter(bad_shape.items()), version + 1, trainer_logprobs=served_qwen2.ref.logprobs)
+    missing = {k: v for k, v in good.items() if k != "model.layers.1.self_attn.v_proj.bias"}
+    with pytest.raises(WeightSyncError, match=r"model\.layers\.1\.self_attn\.v_proj\.bias"):
+        engine.push_weights(iter(missing.items()), version + 1, trainer_logprobs=served_qwen2.ref.logprobs)
+    assert engine.gate.broken is None  # rejected before the pause: the old weights still serve
+    _assert_serves_reference(served_qwen2, version)
+
+
+def _unchecked_syncer(engine) -> WeightSyncer:
+    """A syncer without the trainer-side name check, so the worker itself must reject."""
+    return WeightSyncer(
+        engine.urls,
+        engine.client.model,
+        spec=None,
+        canary=engine.syncer.canary,
+        gate=engine.gate,
+        options=SyncOptions(bucket_bytes=40 * 1024),
+    )
+
+
+@pytest.mark.parametrize(
+    "name, array, pattern",
+    [
+        ("model.layers.0.self_attn.q_proj.weightx", np.zeros((128, 128), np.float32), "unknown tensor"),
+        ("model.layers.1.mlp.down_proj.weight", np.zeros((128, 255), np.float32), r"shape \(128, 255\)"),
+    ],
+)
+def test_worker_rejects_bad_tensor_naming_it_then_full_push_recovers(served_qwen2, name, array, pattern):
+    engine, version = served_qwen2.engine, served_qwen2.engine.version
+    state = served_qwen2.ref.state()
+    items = list(state.items())
+    items.insert(5, (name, array))  # after some good buckets: the engine holds mixed weights afterwards
+    with pytest.raises(WeightSyncError, match=pattern) as err:
+        _unchecked_syncer(engine).sync(iter(items), version + 1, served_qwen2.ref.logprobs)
+    assert name in str(err.value)
+    assert engine.gate.broken  # mixed weights: generation refuses instead of sampling from them
+    with pytest.raises(RolloutError, match="not servable"):
+        engine.generate([PROBE_PROMPT], n=1, temperature=0.0, max_tokens=2)
+    served_qwen2.push(perturbed(state, seed=7), version + 1)
+    _assert_serves_reference(served_qwen2, version + 1)
+
+
+def test_canary_catches_stale_tied_lm_head_without_the_repack_fix(served_qwen2):
+    version, state = served_qwen2.engine.version, served_qwen2.ref.state()
+    served_qwen2.engine.syncer.reset()  # re-sends init_info with the fix switched off
+    with pytest.raises(WeightSyncError, match="canary prompt_logprobs") as err:
+        served_qwen2.push(perturbed(state, seed=11, scale=0.3), version + 1, repack_tied_lm_head=False)
+    assert "tolerance" in str(err.value)
+    served_qwen2.engine.syncer.reset()  # and back on
+    served_qwen2.push(perturbed(state, seed=12), version + 2)
+    _assert_serves_reference(served_qwen2, version + 2)
+
+
+def test_canary_catches_stale_prefix_cache(served_qwen2):
+    version, state = served_qwen2.engine.version, served_qwen2.ref.state()
+    served_qwen2.push(perturbed(state, seed=21), version + 1)  # its canary fills the prefix cache
+    with pytest.raises(WeightSyncError, match=r"canary greedy \(prefix cache\)"):
+        served_qwen2.push(perturbed(state, seed=22, scale=0.3), version + 2, clear_prefix_cache=False)
+    served_qwen2.push(perturbed(state, seed=23), version + 3)
+    _assert_serves_reference(served_qwen2, version + 3)

@@ -1,0 +1,136 @@
+"""Session-scoped vLLM servers for the rollout and weight-sync tests (load with `pytest_plugins`).
+
+One server per tiny model family for the whole test run (vLLM start-up costs ~25-60 s on 2 cores), each
+wrapped in a `Served`: the `VLLMEngine` plus a transformers float32 reference holding the weights the
+server currently serves. Tests that push weights go through `Served.push`, so the two never drift; a
+test that kills the server leaves it to `served_*` to restart it for the next test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rljax.rollout import ServerOptions, VLLMEngine
+from rljax.weight_sync import SyncOptions
+
+# Small on purpose: memory is shared with other jobs (PLATFORM.md: VLLM_CPU_KVCACHE_SPACE, utilization).
+TEST_SERVER_OPTIONS = ServerOptions(
+    gpu_memory_utilization=0.08, kvcache_space_gib=1, max_model_len=512, startup_timeout_s=300.0
+)
+
+
+class TorchReference:
+    """transformers (torch, float32) on the weights the server should be serving."""
+
+    def __init__(self, path: str):
+        import torch
+        import transformers
+
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.tied = bool(self.model.config.tie_word_embeddings)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The HF state as numpy, without the tied lm_head (the checkpoint does not store it)."""
+        sd = self.model.state_dict()
+        return {
+            k: v.detach().numpy().copy() for k, v in sd.items() if not (self.tied and k == "lm_head.weight")
+        }
+
+    def load(self, state: dict[str, np.ndarray]) -> None:
+        self.model.load_state_dict(
+            {k: self.torch.from_numpy(np.array(v)) for k, v in state.items()}, strict=False
+        )
+        if self.tied:
+            self.model.lm_head.weight = self.model.model.embed_tokens.weight
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """f64[len(ids), V] next-token logits."""
+        with self.torch.no_grad():
+            return self.model(self.torch.tensor([list(ids)])).logits[0].double().numpy()
+
+    def logprobs(
+        self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
+    ) -> np.ndarray:
+        """f32[C]: log_softmax(logits / T) of each completion token (the canary's `trainer_logprobs`)."""
+        if not completion_ids:
+            return np.zeros(0, np.float32)
+        z = self.logits(list(prompt_ids) + list(completion_ids))[len(prompt_ids) - 1 : -1] / temperature
+        lp = z - z.max(-1, keepdims=True)
+        lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+        return lp[np.arange(len(completion_ids)), completion_ids].astype(np.float32)
+
+
+def perturbed(state: dict[str, np.ndarray], seed: int, scale: float = 0.05) -> dict[str, np.ndarray]:
+    """`state` plus Gaussian noise (float32): new, non-trivial weights for one update."""
+    rng = np.random.default_rng(seed)
+    return {k: (v + scale * rng.standard_normal(v.shape)).astype(np.float32) for k, v in state.items()}
+
+
+@dataclasses.dataclass
+class Served:
+    engine: VLLMEngine
+    ref: TorchReference
+    path: str
+
+    @property
+    def server(self):
+        return self.engine.servers[0]
+
+    def push(self, state: dict[str, np.ndarray], version: int, **sync_kwargs) -> dict:
+        """Pushes `state` as `version` with the reference as the canary's trainer side."""
+        self.ref.load(state)
+        syncer = self.engine.syncer
+        if sync_kwargs:
+            syncer.options = dataclasses.replace(syncer.options, **sync_kwargs)
+        try:
+            return self.engine.push_weights(iter(state.items()), version, trainer_logprobs=self.ref.logprobs)
+        finally:
+            syncer.options = SyncOptions()
+
+    def ensure_servable(self) -> None:
+        """Restarts a killed server and re-pushes the reference weights after a failed sync."""
+        if not self.server.alive() or self.engine.gate.broken:
+            self.engine.recover(
+                iter(self.ref.state().items()), self.engine.version, trainer_logprobs=self.ref.logprobs
+            )
+
+
+def _start(tmp_path_factory, family: str, **overrides) -> Served:
+    from rljax.models.tiny import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp(f"vllm_{family}")
+    path = str(build_tiny_checkpoint(root / "ckpt", family, **overrides))
+    engine = VLLMEngine.launch(path, root / "workdir", server_options=TEST_SERVER_OPTIONS)
+    return Served(engine, TorchReference(path), path)
+
+
+@pytest.fixture(scope="session")
+def _qwen2_session(tmp_path_factory):
+    served = _start(tmp_path_factory, "qwen2")  # tied embeddings: exercises vLLM's stale lm_head bug
+    yield served
+    served.engine.close()
+
+
+@pytest.fixture(scope="session")
+def _llama_session(tmp_path_factory):
+    served = _start(tmp_path_factory, "llama", tie_word_embeddings=False)
+    yield served
+    served.engine.close()
+
+
+@pytest.fixture
+def served_qwen2(_qwen2_session) -> Served:
+    """The shared tiny-Qwen2 (tied) server, alive and serving `ref`'s weights."""
+    _qwen2_session.ensure_servable()
+    return _qwen2_session
+
+
+@pytest.fixture
+def served_llama(_llama_session) -> Served:
+    """The shared tiny-Llama (untied) server, alive and serving `ref`'s weights."""
+    _llama_session.ensure_servable()
+    return _llama_session
