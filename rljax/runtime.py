@@ -81,8 +81,6 @@ def run(cfg: config_lib.Config, workdir: str) -> None:
         config_lib.validate_runtime(cfg, jax.device_count())
     except config_lib.ConfigError as e:
         fail(f"config: {e}")
-    try:
-        from rljax import loop
-    except ImportError as e:
-        fail(f"config is valid, but the training loop is not available in this build ({e})", code=3)
-    loop.train(cfg, workdir)
+    from rljax.loop.train import train
+
+    train(cfg, workdir)

@@ -84,17 +84,20 @@ class Run:
             out["memory/device_peak_gb"] = peak
         return out
 
-    def close(self) -> None:
-        for closer in (
+    def close(self, phase: str = "done") -> None:
+        """Stops everything; the status file ends with `phase` (done, failed, preempted)."""
+        closers = (
             getattr(self.producer, "close", None),
             self.checkpointer.close,
             self.engine.close,
             self.rewards.close,
+            getattr(self.evaluate, "close", None),
             self.logger.close,
-            self.status.close,
-        ):
+        )
+        for closer in closers:
             if closer is not None:
                 closer()
+        self.status.close(phase)
 
 
 def make_advantages(cfg: Config) -> Callable:
@@ -122,37 +125,26 @@ def make_length_shaping(cfg: Config) -> Callable:
     )
 
 
-def build_run(cfg: Config, workdir: str) -> Run:
-    os.makedirs(workdir, exist_ok=True)
-    sizes = mesh_shape(cfg.mesh, jax.device_count())
-    mesh = make_mesh(**sizes)
-    dtype = jnp.dtype(cfg.model.param_dtype)
-    model_config, params = models.load_hf_checkpoint(cfg.model.path, dtype=dtype, mesh=mesh)
+def load_policy(cfg: Config, mesh) -> tuple[Any, Any, Any]:
+    """(model_config with the configured dtype policy, params in their shardings, tokenizer)."""
+    model_config, params = models.load_hf_checkpoint(
+        cfg.model.path, dtype=jnp.dtype(cfg.model.param_dtype), mesh=mesh
+    )
     model_config = dataclasses.replace(
         model_config, compute_dtype=cfg.model.compute_dtype, remat=cfg.model.remat
     )
-    tokenizer = models.load_tokenizer(cfg.model.path)
-    state = trainer.init_train_state(cfg, model_config, params, mesh)
-    ref_params = params if cfg.algo.beta > 0 else None
-    update = (trainer.make_ppo_update if cfg.algo.family == "ppo" else trainer.make_update)(
-        cfg, model_config, mesh
-    )
-    checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"),
-        keep_last=cfg.checkpoint.keep_last,
-        keep_every=cfg.checkpoint.keep_every,
-        async_save=cfg.checkpoint.async_save,
-    )
-    train_examples, eval_examples = load_examples(cfg.data)
-    prompts = PromptStream(train_examples, seed=cfg.data.seed)
-    start_step, restored = 0, checkpointer.restore_latest(abstract_like(state))
-    if restored is not None:
-        start_step, state, extra = restored
-        prompts.restore(extra["data"])
-    stop_ids = tuple(cfg.rollout.stop_token_ids) or (int(tokenizer.eos_token_id),)
-    engine = make_engine(cfg, workdir, model_config, mesh, data_parallel=sizes["data"] * sizes["fsdp"])
-    if restored is not None:  # the new server holds the base weights: push the restored ones
-        engine.push_weights(state.params, start_step)
+    return model_config, params, models.load_tokenizer(cfg.model.path)
+
+
+def make_reward_pool(cfg: Config) -> RewardPool:
+    specs = [
+        (name, weight, {}) for name, weight in zip(cfg.reward.functions, cfg.reward.weights, strict=True)
+    ]
+    return RewardPool(specs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+
+
+def make_writers(cfg: Config, workdir: str, start_step: int) -> tuple[MetricsLogger, StatusWriter]:
+    """Metrics logger (truncating lines past the resume point) and this process's status file."""
     process = jax.process_index()
     logger = MetricsLogger(
         workdir,
@@ -163,7 +155,47 @@ def build_run(cfg: Config, workdir: str) -> Run:
         total_steps=cfg.trainer.steps,
         resume_step=start_step + 1 if start_step else 0,
     )
-    status = StatusWriter(workdir, process)
+    return logger, StatusWriter(workdir, process)
+
+
+def attach_producer(run: Run, extra: dict | None) -> None:
+    """Async mode: a rollout producer running ahead of the trainer by at most trainer.max_staleness."""
+    run.producer = AsyncProducer(
+        lambda step: select_groups(run, step),
+        start_step=run.start_step,
+        max_staleness=run.cfg.trainer.max_staleness,
+        version=run.start_step,
+        data_state=run.prompts.state,
+    )
+    if extra is not None and "buffer" in extra:
+        run.producer.restore(extra["buffer"])
+    run.producer.start()
+
+
+def build_run(cfg: Config, workdir: str) -> Run:
+    """Everything one run needs; restores the newest good checkpoint in `workdir` if there is one."""
+    os.makedirs(workdir, exist_ok=True)
+    sizes = mesh_shape(cfg.mesh, jax.device_count())
+    mesh = make_mesh(**sizes)
+    model_config, params, tokenizer = load_policy(cfg, mesh)
+    state = trainer.init_train_state(cfg, model_config, params, mesh)
+    make_update_fn = trainer.make_ppo_update if cfg.algo.family == "ppo" else trainer.make_update
+    checkpointer = Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        keep_last=cfg.checkpoint.keep_last,
+        keep_every=cfg.checkpoint.keep_every,
+        async_save=cfg.checkpoint.async_save,
+    )
+    train_examples, eval_examples = load_examples(cfg.data)
+    prompts = PromptStream(train_examples, seed=cfg.data.seed)
+    start_step, extra, restored = 0, None, checkpointer.restore_latest(abstract_like(state))
+    if restored is not None:
+        start_step, state, extra = restored
+        prompts.restore(extra["data"])
+    engine = make_engine(cfg, workdir, model_config, mesh, data_parallel=sizes["data"] * sizes["fsdp"])
+    if restored is not None:  # the new server holds the base weights: push the restored ones
+        engine.push_weights(state.params, start_step)
+    logger, status = make_writers(cfg, workdir, start_step)
     run = Run(
         cfg=cfg,
         workdir=workdir,
@@ -171,43 +203,27 @@ def build_run(cfg: Config, workdir: str) -> Run:
         tokenizer=tokenizer,
         mesh=mesh,
         state=state,
-        ref_params=ref_params,
-        update=update,
+        ref_params=params if cfg.algo.beta > 0 else None,
+        update=make_update_fn(cfg, model_config, mesh),
         shard_batch=lambda b: trainer.shard_batch(b, mesh),
         advantages=make_advantages(cfg),
         length_shaping=make_length_shaping(cfg),
         engine=engine,
-        rewards=RewardPool(
-            list(
-                zip(cfg.reward.functions, cfg.reward.weights, [{}] * len(cfg.reward.functions), strict=True)
-            ),
-            num_workers=cfg.reward.num_workers,
-            timeout_s=cfg.reward.timeout_s,
-        ),
+        rewards=make_reward_pool(cfg),
         prompts=prompts,
         evaluate=lambda: {},
         logger=logger,
         status=status,
         checkpointer=checkpointer,
-        timer=PhaseTimer(on_phase=lambda name: None),
+        timer=PhaseTimer(on_phase=lambda name: status.update(phase=name)),
         config_dict=to_dict(cfg),
         start_step=start_step,
-        stop_token_ids=stop_ids,
+        stop_token_ids=tuple(cfg.rollout.stop_token_ids) or (int(tokenizer.eos_token_id),),
         max_sequence_length=cfg.rollout.vllm.max_model_len,
     )
     run.evaluate = make_evaluator(run, eval_examples)
     if cfg.trainer.max_staleness > 0:
-        run.producer = AsyncProducer(
-            lambda step: select_groups(run, step),
-            start_step=start_step,
-            max_staleness=cfg.trainer.max_staleness,
-            version=start_step,
-            data_state=prompts.state,
-        )
-        if restored is not None and "buffer" in extra:
-            run.producer.restore(extra["buffer"])
-        run.producer.start()
-    run.timer = PhaseTimer(on_phase=lambda name: status.update(phase=name))
+        attach_producer(run, extra)
     return run
 
 

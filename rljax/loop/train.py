@@ -21,6 +21,7 @@ def train(cfg: Config, workdir: str) -> None:
     """Trains for `trainer.steps` steps in `workdir`, resuming from its latest checkpoint if any."""
     run = build_run(cfg, workdir)
     watch = PreemptionWatch()
+    phase = "failed"
     try:
         if run.start_step == 0:
             run.logger.write(0, run.evaluate() | {"policy/version": 0.0})
@@ -39,9 +40,10 @@ def train(cfg: Config, workdir: str) -> None:
             if last or (step + 1) % cfg.checkpoint.every_steps == 0:
                 save_checkpoint(run, step + 1)
         print(f"rljax: finished {cfg.trainer.steps} steps in {run.workdir}", flush=True)
+        phase = "done"
     finally:
         watch.restore()
-        run.close()
+        run.close(phase)
 
 
 def run_step(run: Run, step: int) -> dict:
@@ -69,7 +71,13 @@ def run_step(run: Run, step: int) -> dict:
     metrics["throughput/update_tokens_per_s"] = tokens / max(metrics.get("timing/update_s", 0.0), 1e-9)
     metrics |= run.system_metrics()
     run.logger.write(version, metrics)
-    run.status.update(step=version, phase="step_done", policy_version=version, total_steps=cfg.trainer.steps)
+    run.status.update(
+        step=version,
+        phase="step_done",
+        policy_version=version,
+        total_steps=cfg.trainer.steps,
+        eta_s=run.logger.eta_s,
+    )
     return metrics
 
 
