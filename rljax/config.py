@@ -95,6 +95,7 @@ class WeightSyncConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str = _choice("vllm", "vllm")
+    env: str = ""  # "" = single-turn completions; else a multi-turn environment in rljax.envs.ENVS
     batch_size: int = 64  # completions per step (= prompts per step * group_size)
     group_size: int = 8
     temperature: float = 1.0
@@ -102,7 +103,7 @@ class RolloutConfig:
     top_k: int = 0  # 0 disables top-k
     max_tokens: int = 16
     stop_token_ids: tuple = ()
-    eval_temperature: float = 0.0
+    eval_temperature: float = 1.0  # eval/accuracy = expected pass@1 at the sampling temperature
     vllm: VLLMConfig = VLLMConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
 
