@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rljax import config as config_lib
@@ -73,6 +73,7 @@ def load_config() -> config_lib.Config:
 
 
 def _main(argv: list[str]) -> None:
+    logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]!r}; pass options as --config.<key>=<value>")
     try:

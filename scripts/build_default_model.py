@@ -39,7 +39,10 @@ def encode(tok, prompt: str, target: str) -> tuple[list[int], int]:
 
 
 def make_batch(tok, examples, rng, p_correct, batch_size):
-    rows = [encode(tok, ex["prompt"], teacher_target(ex["answer"], rng, p_correct)) for ex in rng.sample(examples, batch_size)]
+    rows = [
+        encode(tok, ex["prompt"], teacher_target(ex["answer"], rng, p_correct))
+        for ex in rng.sample(examples, batch_size)
+    ]
     width = max(len(ids) for ids, _ in rows)
     ids = torch.zeros(batch_size, width, dtype=torch.long)
     labels = torch.full((batch_size, width), -100, dtype=torch.long)
@@ -58,9 +61,17 @@ def sampled_accuracy(model, tok, examples, n=200, seed=1) -> tuple[float, float]
     right = plus_one = 0
     for ex in rng.sample(examples, min(n, len(examples))):
         ids = torch.tensor([tok(ex["prompt"], add_special_tokens=False)["input_ids"]])
-        out = model.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=6,
-                             eos_token_id=tok.eos_token_id, pad_token_id=0)
-        text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        out = model.generate(
+            ids,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=6,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=0,
+        )
+        text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
         right += text == ex["answer"]
         plus_one += text == str(int(ex["answer"]) + 1)
     return right / n, plus_one / n
@@ -69,7 +80,7 @@ def sampled_accuracy(model, tok, examples, n=200, seed=1) -> tuple[float, float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="assets/tiny_arith")
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--p-correct", type=float, default=0.35)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -78,9 +89,14 @@ def main() -> None:
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
-    tok = build_tokenizer(out)
+    eos = build_tokenizer(out).eos_token_id
+    config = tiny_hf_config("qwen2", eos_token_id=eos)
+    config.save_pretrained(str(out))
+    # Train with the tokenizer exactly as transformers and vLLM load it from the finished directory: with a
+    # qwen2 config.json next to it, AutoTokenizer applies Qwen2's pre-tokenizer (digits split one by one),
+    # which differs from the in-memory tokenizer `build_tokenizer` returns.
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
     examples = list({ex["prompt"]: ex for ex in make_source("arithmetic", **TASK)}.values())
-    config = tiny_hf_config("qwen2", eos_token_id=tok.eos_token_id)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps, pct_start=0.05)
