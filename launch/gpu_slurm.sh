@@ -198,6 +198,8 @@ if [ "${RLJAX_DRY_RUN:-0}" = 1 ]; then
   run "${SRUN[@]}" --output="$LOGDIR/rank-%t.log" "${ENTRY_CMD[@]}" "${TRAIN_ARGS[@]}"
   exit 0
 fi
+RANK0_LOG="$LOGDIR/rank-0.log"
+RANK0_OFFSET=$(($(stat -c %s "$RANK0_LOG" 2>/dev/null || echo 0) + 1))  # this attempt's part of the log
 "${SRUN[@]}" --output="$LOGDIR/rank-%t.log" "${ENTRY_CMD[@]}" "${TRAIN_ARGS[@]}" &
 TRAIN_PID=$!
 while :; do  # `wait` returns early (> 128) whenever a trapped signal arrives
@@ -207,9 +209,15 @@ while :; do  # `wait` returns early (> 128) whenever a trapped signal arrives
   break
 done
 log "training step exited with $RC"
+((RC == EXIT_PREEMPTED)) && ! tail -c +"$RANK0_OFFSET" "$RANK0_LOG" 2>/dev/null | grep -q "preempted; saved step" \
+  && log "exit 143 without a preemption save (a rank failed and srun ended the others): not requeueing"
 
-# 143: the processes saved and asked to be requeued; a signal and any other failure: Slurm is ending the job.
-if ((RC == EXIT_PREEMPTED || (PREEMPTED && RC != 0))) && [ "${RLJAX_REQUEUE:-1}" = 1 ]; then
+# Requeue when this script was signalled (Slurm is ending the job) and the step did not finish, or when the
+# step exited 143 after a preemption save. 143 alone is not enough: when one rank crashes, srun's
+# --kill-on-bad-exit TERMs the others, and their exit status can be 143 too; only a real save logs the line.
+SAVED=0
+tail -c +"$RANK0_OFFSET" "$RANK0_LOG" 2>/dev/null | grep -q "preempted; saved step" && SAVED=1
+if (((PREEMPTED && RC != 0) || (RC == EXIT_PREEMPTED && SAVED))) && [ "${RLJAX_REQUEUE:-1}" = 1 ]; then
   log "preempted: requeueing job $JOB_ID (it resumes from $WORKDIR/checkpoints)"
   trap '' TERM  # requeue cancels this script; finish the log line first
   cleanup

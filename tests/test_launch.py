@@ -125,3 +125,28 @@ def test_print_config_resolves_preset_and_overrides():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["3", "/models/x"]  # smoke preset: 3 steps
+
+
+def test_config_from_args_equals_rljax_main_flags():
+    args = [
+        "--config=configs/grpo.py:smoke",
+        "--config.algo.beta=0.05",
+        "--config.rollout.vllm.urls",
+        "('http://a:1', 'http://b:2')",
+        "--config.model.remat=true",
+        "--workdir=/tmp/unused",
+    ]
+    code = (
+        "import json, sys; from absl import flags; from rljax import main, config; "
+        "argv = ['rljax', *sys.argv[1:]]; main.check_argv(argv); flags.FLAGS(argv); "
+        "print(json.dumps(config.to_dict(main.load_config())))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    from rljax import config as config_lib
+
+    ours = json.loads(json.dumps(config_lib.to_dict(launch.config_from_args(args))))
+    assert ours == json.loads(proc.stdout)
+    assert ours["rollout"]["vllm"]["urls"] == ["http://a:1", "http://b:2"] and ours["algo"]["beta"] == 0.05
