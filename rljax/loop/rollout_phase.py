@@ -73,7 +73,7 @@ def generate_groups(run, examples: list[dict], seed: int) -> tuple[list[Group], 
         sl = slice(j * ro.group_size, (j + 1) * ro.group_size)
         g.per_fn = {name: np.asarray(v)[sl] for name, v in per_fn.items()}
     tokens = sum(len(c.token_ids) for _, c in flat)
-    return groups, reward_metrics | {"rollout/generated_tokens": float(tokens)}
+    return groups, reward_metrics | run.engine.metrics() | {"rollout/generated_tokens": float(tokens)}
 
 
 def select_groups(run, step: int) -> tuple[list[Group], dict]:
