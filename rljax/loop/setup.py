@@ -21,10 +21,12 @@ from rljax.checkpoint import Checkpointer, abstract_like
 from rljax.config import Config, mesh_shape, to_dict
 from rljax.loop.async_rollout import AsyncProducer
 from rljax.loop.data_setup import PromptStream, load_examples
+from rljax.loop.distributed import is_leader, to_host
 from rljax.loop.engine import make_engine
 from rljax.loop.evaluation import make_evaluator
 from rljax.loop.phases import PhaseTimer
 from rljax.loop.rollout_phase import select_groups
+from rljax.loop.trajectory import Trajectory, build_loss_inputs
 from rljax.metrics import MetricsLogger, StatusWriter, device_memory_gb, host_memory_gb
 from rljax.rewards import RewardPool
 from rljax.sharding import make_mesh
@@ -56,6 +58,7 @@ class Run:
     stop_token_ids: tuple
     max_sequence_length: int
     producer: Any = None
+    batch_template: Any = None  # the LossInputs structure non-leader processes receive the batch into
 
     def encode_prompt(self, example: dict) -> list[int]:
         return list(self.tokenizer(self.prompt_text(example), add_special_tokens=False)["input_ids"])
@@ -71,7 +74,7 @@ class Run:
 
     def checkpoint_extra(self) -> dict:
         """data position, policy version, and (async) the buffered batches, consistent with each other."""
-        extra = {"policy_version": int(jax.device_get(self.state.step)), "seed": self.cfg.trainer.seed}
+        extra = {"policy_version": int(to_host(self.state.step)), "seed": self.cfg.trainer.seed}
         if self.producer is None:
             return extra | {"data": self.prompts.state()}
         snapshot = self.producer.snapshot()
@@ -209,7 +212,7 @@ def build_run(cfg: Config, workdir: str) -> Run:
         advantages=make_advantages(cfg),
         length_shaping=make_length_shaping(cfg),
         engine=engine,
-        rewards=make_reward_pool(cfg),
+        rewards=None,
         prompts=prompts,
         evaluate=lambda: {},
         logger=logger,
@@ -221,10 +224,21 @@ def build_run(cfg: Config, workdir: str) -> Run:
         stop_token_ids=tuple(cfg.rollout.stop_token_ids) or (int(tokenizer.eos_token_id),),
         max_sequence_length=cfg.rollout.vllm.max_model_len,
     )
+    run.batch_template = batch_template(cfg)
+    if not is_leader():
+        return run
+    run.rewards = make_reward_pool(cfg)
     run.evaluate = make_evaluator(run, eval_examples)
     if cfg.trainer.max_staleness > 0:
         attach_producer(run, extra)
     return run
+
+
+def batch_template(cfg: Config):
+    """A LossInputs with the structure (and sampler settings) of every batch this run trains on."""
+    traj = Trajectory([1], [1], [-1.0], 0.0, 0, 0)
+    ro = cfg.rollout
+    return build_loss_inputs([traj], np.zeros(1), temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k)
 
 
 def _wandb(cfg: Config) -> dict | None:

@@ -13,6 +13,7 @@ import numpy as np
 
 from rljax.config import Config
 from rljax.loop import rollout_phase
+from rljax.loop.distributed import barrier, broadcast_tree, is_leader
 from rljax.loop.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from rljax.loop.setup import Run, build_run
 
@@ -24,13 +25,14 @@ def train(cfg: Config, workdir: str) -> None:
     phase = "failed"
     try:
         if run.start_step == 0:
-            run.logger.write(0, run.evaluate() | {"policy/version": 0.0})
+            run.logger.write(0, leader_evaluate(run) | {"policy/version": 0.0})
         for step in range(run.start_step, cfg.trainer.steps):
             run_step(run, step)
             last = step + 1 == cfg.trainer.steps
             if watch.should_stop():
                 save_checkpoint(run, step + 1)
                 run.checkpointer.wait()
+                barrier("rljax_preempted")  # no rank exits (and ends the srun step) before all saved
                 print(
                     f"rljax: preempted; saved step {step + 1}, exiting for requeue",
                     file=sys.stderr,
@@ -49,10 +51,12 @@ def train(cfg: Config, workdir: str) -> None:
 def run_step(run: Run, step: int) -> dict:
     """One RL step; returns the metrics it wrote for `step + 1` (the policy version it produces)."""
     cfg, timer = run.cfg, run.timer
+    leader = is_leader()
     with timer.phase("rollout"):
-        groups, rollout_metrics = rollout_phase.collect(run, step)
+        groups, rollout_metrics = rollout_phase.collect(run, step) if leader else (None, {})
     with timer.phase("batch"):
-        batch, batch_metrics = rollout_phase.to_loss_inputs(run, groups, step)
+        batch, batch_metrics = rollout_phase.to_loss_inputs(run, groups, step) if leader else (None, {})
+        batch = broadcast_tree(batch, like=run.batch_template)
         sharded = run.shard_batch(batch)
     with timer.phase("update"):
         run.state, update_metrics = run.update(run.state, sharded, run.ref_params)
@@ -65,7 +69,7 @@ def run_step(run: Run, step: int) -> dict:
     metrics["policy/version"] = float(version)
     if cfg.trainer.eval_every and (version % cfg.trainer.eval_every == 0 or version == cfg.trainer.steps):
         with timer.phase("eval"):
-            metrics |= run.evaluate()
+            metrics |= leader_evaluate(run)
     metrics |= timer.reset()
     tokens = float(np.sum(batch.loss_mask))
     metrics["throughput/update_tokens_per_s"] = tokens / max(metrics.get("timing/update_s", 0.0), 1e-9)
@@ -79,6 +83,11 @@ def run_step(run: Run, step: int) -> dict:
         eta_s=run.logger.eta_s,
     )
     return metrics
+
+
+def leader_evaluate(run: Run) -> dict:
+    """eval/* metrics from the leader (which owns the rollout engine); {} on other processes."""
+    return run.evaluate() if is_leader() else {}
 
 
 def save_checkpoint(run: Run, step: int) -> None:
