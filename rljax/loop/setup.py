@@ -93,7 +93,7 @@ class Run:
             getattr(self.producer, "close", None),
             self.checkpointer.close,
             self.engine.close,
-            self.rewards.close,
+            getattr(self.rewards, "close", None),
             getattr(self.evaluate, "close", None),
             self.logger.close,
         )
