@@ -93,31 +93,50 @@ class Served:
 
     def ensure_servable(self) -> None:
         """Restarts a killed server and re-pushes the reference weights after a failed sync."""
-        if not self.server.alive() or self.engine.gate.broken:
+        if not self.server.healthy() or self.engine.gate.broken:
             self.engine.recover(
                 iter(self.ref.state().items()), self.engine.version, trainer_logprobs=self.ref.logprobs
             )
 
 
-def _start(tmp_path_factory, family: str, **overrides) -> Served:
-    from rljax.models.tiny import build_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp(f"vllm_{family}")
-    path = str(build_tiny_checkpoint(root / "ckpt", family, **overrides))
-    engine = VLLMEngine.launch(path, root / "workdir", server_options=TEST_SERVER_OPTIONS)
-    return Served(engine, TorchReference(path), path)
+_FAMILIES = {"qwen2": {}, "llama": {"tie_word_embeddings": False}}  # qwen2 tied: vLLM's stale lm_head bug
 
 
 @pytest.fixture(scope="session")
-def _qwen2_session(tmp_path_factory):
-    served = _start(tmp_path_factory, "qwen2")  # tied embeddings: exercises vLLM's stale lm_head bug
+def _spawned_servers(request, tmp_path_factory):
+    """Spawns, at once, a server for every family the collected tests use (start-ups overlap)."""
+    from rljax.models.tiny import build_tiny_checkpoint
+    from rljax.rollout import VLLMServer
+
+    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    spawned = {}
+    for family, overrides in _FAMILIES.items():
+        if f"served_{family}" in used:
+            root = tmp_path_factory.mktemp(f"vllm_{family}")
+            path = str(build_tiny_checkpoint(root / "ckpt", family, **overrides))
+            server = VLLMServer(path, root / "workdir", options=TEST_SERVER_OPTIONS).spawn()
+            spawned[family] = (server, path)
+    yield spawned
+    for server, _ in spawned.values():
+        server.stop()
+
+
+def _served(spawned: dict, family: str) -> Served:
+    server, path = spawned[family]
+    server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
+    return Served(VLLMEngine([server.url], path, servers=[server]), TorchReference(path), path)
+
+
+@pytest.fixture(scope="session")
+def _qwen2_session(_spawned_servers):
+    served = _served(_spawned_servers, "qwen2")
     yield served
     served.engine.close()
 
 
 @pytest.fixture(scope="session")
-def _llama_session(tmp_path_factory):
-    served = _start(tmp_path_factory, "llama", tie_word_embeddings=False)
+def _llama_session(_spawned_servers):
+    served = _served(_spawned_servers, "llama")
     yield served
     served.engine.close()
 

@@ -109,10 +109,10 @@ class VLLMEngine:
     def recover(
         self, tensors: Iterable[tuple[str, np.ndarray]], version: int, *, trainer_logprobs: TrainerLogprobs
     ) -> dict[str, float]:
-        """Restarts owned servers that died, then re-pushes the full state (which also repairs a live
-        server left with mixed weights by a failed sync)."""
+        """Restarts owned servers that died or stopped answering `/health`, then re-pushes the full state
+        (which also repairs a live server left with mixed weights by a failed sync)."""
         for s in self.servers:
-            if not s.alive():
+            if not s.healthy():
                 s.restart()
         self.syncer.reset()
         return self.push_weights(tensors, version, trainer_logprobs=trainer_logprobs)

@@ -138,6 +138,12 @@ class VLLMServer:
 
     def start(self) -> VLLMServer:
         """Starts the child and blocks until `/health` answers 200; raises ServerError with the log tail."""
+        self.spawn()
+        self.wait_healthy(self.options.startup_timeout_s)
+        return self
+
+    def spawn(self) -> VLLMServer:
+        """Starts the child without waiting (start several servers at once, then `wait_healthy` each)."""
         if self.alive():
             raise ServerError(f"server on {self.url} is already running (pid {self.pid})")
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -151,7 +157,6 @@ class VLLMServer:
                 env=server_env(self.options),
                 start_new_session=True,
             )
-        self.wait_healthy(self.options.startup_timeout_s)
         return self
 
     def wait_healthy(self, timeout_s: float) -> None:
@@ -183,11 +188,17 @@ class VLLMServer:
         self._signal(signal.SIGKILL)  # engine-core children can outlive a clean API-server exit
         self._proc = None
 
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        """True if the child runs and `/health` answers 200 within `timeout_s`."""
+        try:
+            return self.alive() and requests.get(self.url + "/health", timeout=timeout_s).status_code == 200
+        except requests.RequestException:
+            return False
+
     def kill(self) -> None:
-        """SIGKILL to the group at once (fault injection: the server dies mid-whatever)."""
+        """SIGKILL to the group, not waiting (fault injection, callable from any thread); `stop()` reaps."""
         if self._proc is not None:
             self._signal(signal.SIGKILL)
-            self._proc.wait(30)
 
     def restart(self) -> VLLMServer:
         """Stops (if needed) and starts again on the same host and port; the weights are the checkpoint's."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+import time
 import zlib
 
 import torch
@@ -33,8 +34,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+from vllm.logger import init_logger
 
 from rljax.weight_sync import wire
+
+logger = init_logger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,6 +71,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self._seen: set[str] = set()
         self._active = False
         self._spec: dict | None = None
+        self._timing: dict = {}
         self._tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
@@ -82,6 +87,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._seen, self._active = set(), True
+        self._timing = {"map": 0.0, "load": 0.0, "finalize": 0.0, "buckets": 0, "bytes": 0}
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
@@ -92,6 +98,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             raise
 
     def _receive(self, info: ShmUpdateInfo) -> None:
+        t0 = time.perf_counter()
         entries = [wire.TensorEntry.from_wire(t) for t in info.tensors]
         with open(info.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -106,8 +113,12 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 self._maps.append(mapping)  # torch.frombuffer holds no reference: keep alive until finish
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
+        t1 = time.perf_counter()
         with disable_mtp_completeness_check():
             self.model.load_weights(weights)
+        t = self._timing
+        t["map"], t["load"] = t["map"] + t1 - t0, t["load"] + time.perf_counter() - t1
+        t["buckets"], t["bytes"] = t["buckets"] + 1, t["bytes"] + sum(e.nbytes for e in entries)
 
     @staticmethod
     def _tensor(mapping: mmap.mmap, e: wire.TensorEntry, copy: bool) -> torch.Tensor:
@@ -141,6 +152,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def _finalize(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        t0 = time.perf_counter()
         try:
             finalize_layerwise_reload(self.model, self.model_config)
             if self.options.repack_tied_lm_head:
@@ -148,6 +160,17 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         finally:
             self._active = False
             self._release()
+            t = self._timing
+            t["finalize"] = time.perf_counter() - t0
+            # One line per update; benchmarks/bench_weight_sync.py parses it from the server log.
+            logger.info(
+                "rljax-shm update: buckets=%d bytes=%d map_s=%.4f load_s=%.4f finalize_s=%.4f",
+                t["buckets"],
+                t["bytes"],
+                t["map"],
+                t["load"],
+                t["finalize"],
+            )
 
     def _release(self) -> None:
         for m in self._maps:

@@ -1,0 +1,226 @@
+"""Weight-sync benchmark: a synthetic ~1 GB float32 state pushed into a running vLLM server (CPU build).
+
+    .venv/bin/python benchmarks/bench_weight_sync.py --gb 1.0 --bucket-mb 64 --workdir /tmp/bench_ws
+
+Builds an untied Qwen2 checkpoint with 2 layers and a big vocab/hidden (so embedding and lm_head dominate,
+as in a real 0.5B model), loads it as the trainer's JAX params, starts a server, and prints, measured
+in the same run:
+
+- staging (device->host via `rljax.models.iter_hf_tensors`, incl. HF layout transposes, + writing the
+  /dev/shm bucket files) against one host memcpy of the same bytes into fresh memory (target <= 3x);
+- the pause that generation sees (the longest request of a back-to-back probe stream, and /pause ->
+  /resume), with the engine's own part from the worker log (bucket mapping/checks, load_weights
+  including per-layer processing such as the CPU GEMM repacking, finalize);
+- the whole sync against vLLM reloading the same weights in place from the safetensors directory
+  (`/pause`, `/collective_rpc reload_weights(weights_path=...)`, `/resume`; target: our pause shorter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import requests
+
+
+def build_checkpoint(path: Path, gb: float) -> Path:
+    """An untied 2-layer Qwen2 (hidden 1024, head_dim 64) whose vocab makes the fp32 state ~`gb` GB."""
+    from safetensors.numpy import save_file
+
+    from rljax.models.tiny import build_tiny_checkpoint, tiny_hf_config
+
+    hidden, inter, layers = 1024, 4096, 2
+    per_layer = (
+        4 * hidden * hidden - 2 * hidden * hidden // 2 + 3 * hidden * inter
+    )  # q,o + k,v (GQA 2x) + mlp
+    vocab = max(1024, int((gb * 1e9 / 4 - layers * per_layer) / (2 * hidden)))
+    build_tiny_checkpoint(path, "qwen2")  # tokenizer and generation config; weights replaced below
+    cfg = tiny_hf_config(
+        "qwen2",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=16,
+        num_kv_heads=8,
+        intermediate_size=inter,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+    )
+    cfg.save_pretrained(str(path))
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        names = {
+            k: tuple(v.shape)
+            for k, v in transformers.AutoModelForCausalLM.from_config(cfg).state_dict().items()
+        }
+    rng = np.random.default_rng(0)
+    tensors = {
+        k: (0.02 * rng.standard_normal(s, dtype=np.float32))
+        if not k.endswith("norm.weight")
+        else np.ones(s, np.float32)
+        for k, s in names.items()
+    }
+    for f in path.glob("*.safetensors*"):
+        f.unlink()
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def memcpy_seconds(nbytes: int) -> float:
+    src = np.ones(nbytes // 4, np.float32)
+    t = time.perf_counter()
+    dst = np.empty_like(src)  # fresh pages, like fresh bucket files
+    np.copyto(dst, src)
+    return time.perf_counter() - t
+
+
+class Probe:
+    """Back-to-back 1-token requests (straight to the server, not through rljax's gate)."""
+
+    def __init__(self, url: str, model: str):
+        self.url, self.model, self.spans, self._stop = url, model, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        body = {"model": self.model, "prompt": [5, 6, 7, 8], "max_tokens": 1, "temperature": 0.0}
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            requests.post(self.url + "/v1/completions", json=body, timeout=120).raise_for_status()
+            self.spans.append((t, time.perf_counter()))
+
+    def __enter__(self):
+        self._thread.start()
+        time.sleep(1.0)
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(0.5)
+        self._stop.set()
+        self._thread.join()
+
+    def longest(self) -> float:
+        return max(b - a for a, b in self.spans)
+
+    def typical(self) -> float:
+        return float(np.median([b - a for a, b in self.spans]))
+
+
+def last_engine_timing(log_path: Path) -> dict:
+    lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if "rljax-shm update:" in ln]
+    return {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", lines[-1].split("rljax-shm update:")[1])}
+
+
+def vllm_reload_seconds(url: str, weights_dir: str) -> float:
+    t = time.perf_counter()
+    requests.post(url + "/pause", params={"mode": "wait"}, timeout=60).raise_for_status()
+    body = {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}, "timeout": 600}
+    r = requests.post(url + "/collective_rpc", json=body, timeout=600)
+    r.raise_for_status()
+    requests.post(url + "/resume", timeout=60).raise_for_status()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gb", type=float, default=1.0)
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--workdir", default="/tmp/rljax_bench_weight_sync")
+    args = ap.parse_args()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+
+    from rljax import models
+    from rljax.rollout import ServerOptions, VLLMEngine
+    from rljax.weight_sync import SyncOptions, stage_buckets
+
+    work = Path(args.workdir)
+    ckpt = build_checkpoint(work / "ckpt", args.gb)
+    config, params = models.load_hf_checkpoint(ckpt)
+    nbytes = sum(a.nbytes for _, a in models.iter_hf_tensors(config, params))
+    print(
+        f"state: {nbytes / 1e9:.3f} GB float32, vocab {config.vocab_size}, bucket {args.bucket_mb} MiB",
+        flush=True,
+    )
+
+    copy_s = memcpy_seconds(nbytes)
+    t = time.perf_counter()
+    buckets = list(stage_buckets(models.iter_hf_tensors(config, params), bucket_bytes=args.bucket_mb << 20))
+    stage_s = time.perf_counter() - t
+    for b in buckets:
+        b.unlink()
+
+    logits_fn = jax.jit(lambda ids: jax.nn.log_softmax(models.forward(config, params, ids)[0], -1))
+
+    def trainer_logprobs(prompt, completion):
+        lp = np.asarray(logits_fn(jnp.asarray([list(prompt) + list(completion)], jnp.int32)))
+        return lp[np.arange(len(prompt) - 1, len(prompt) + len(completion) - 1), completion]
+
+    opts = ServerOptions(gpu_memory_utilization=0.1, max_model_len=512)
+    engine = VLLMEngine.launch(
+        ckpt,
+        work / "server",
+        server_options=opts,
+        sync_options=SyncOptions(bucket_bytes=args.bucket_mb << 20),
+    )
+    try:
+        url, model = engine.urls[0], engine.client.model
+        engine.push_weights(
+            models.iter_hf_tensors(config, params), 1, trainer_logprobs=trainer_logprobs
+        )  # warm-up
+        with Probe(url, model) as probe:
+            m = engine.push_weights(
+                models.iter_hf_tensors(config, params), 2, trainer_logprobs=trainer_logprobs
+            )
+        timing = last_engine_timing(engine.servers[0].log_path)
+        with Probe(url, model) as probe_reload:
+            reload_s = vllm_reload_seconds(url, str(ckpt))
+        report = {
+            "bytes": nbytes,
+            "memcpy_s": copy_s,
+            "stage_s": stage_s,
+            "stage_in_sync_s": m["weight_sync/stage_seconds"],
+            "pause_s": m["weight_sync/pause_seconds"],
+            "probe_longest_s": probe.longest(),
+            "probe_typical_s": probe.typical(),
+            "engine_map_s": timing["map_s"],
+            "engine_load_s": timing["load_s"],
+            "engine_finalize_s": timing["finalize_s"],
+            "sync_s": m["weight_sync/seconds"],
+            "canary_s": m["weight_sync/seconds"]
+            - m["weight_sync/stage_seconds"]
+            - m["weight_sync/pause_seconds"],
+            "canary_max_abs_diff": m["weight_sync/canary_logprob_max_abs_diff"],
+            "vllm_reload_pause_s": reload_s,
+            "vllm_reload_probe_longest_s": probe_reload.longest(),
+        }
+    finally:
+        engine.close()
+    print(json.dumps(report, indent=1))
+    print(
+        f"staging / memcpy           : {stage_s / copy_s:.2f}x  (target <= 3x; {stage_s:.2f} s vs {copy_s:.2f} s)"
+    )
+    print(
+        f"pause seen by generation   : {probe.longest():.2f} s (our /pause->/resume {m['weight_sync/pause_seconds']:.2f} s;"
+        f" engine: map {timing['map_s']:.2f} + load/repack {timing['load_s']:.2f} + finalize {timing['finalize_s']:.2f} s)"
+    )
+    print(
+        f"our pause / vLLM reload    : {probe.longest() / probe_reload.longest():.2f}x  (target < 1; vLLM in-place"
+        f" reload from safetensors: pause seen {probe_reload.longest():.2f} s)"
+    )
+    print(
+        f"whole sync / vLLM reload   : {m['weight_sync/seconds'] / reload_s:.2f}x  (whole sync {m['weight_sync/seconds']:.2f} s"
+        f" incl. staging {m['weight_sync/stage_seconds']:.2f} s and canary)"
+    )
+
+
+if __name__ == "__main__":
+    main()

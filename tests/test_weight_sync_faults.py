@@ -1,0 +1,69 @@
+"""Faults with a real vLLM server: killed mid-sync or mid-generation -> a clear error within 30 s (no hang);
+restart + re-push then serves the trainer's weights at the trainer's version."""
+
+import threading
+import time
+
+import pytest
+from test_weight_sync import _assert_serves_reference
+from vllm_server import perturbed
+
+from rljax.rollout import RolloutError
+from rljax.weight_sync import SyncOptions, WeightSyncError
+
+pytestmark = pytest.mark.vllm
+
+
+def test_server_killed_mid_sync_fails_fast_then_restart_and_repush_succeeds(served_qwen2):
+    engine, version = served_qwen2.engine, served_qwen2.engine.version
+    state = perturbed(served_qwen2.ref.state(), seed=31)
+    killed_at = []
+
+    def tensors_killing_the_server():
+        for k, item in enumerate(state.items()):
+            if k == 12:  # pipelined staging: earlier buckets are already loaded by now
+                killed_at.append(time.monotonic())  # before: the sync may fail while kill() reaps
+                served_qwen2.server.kill()
+            yield item
+
+    engine.syncer.options = SyncOptions(bucket_bytes=40 * 1024, prestage=False)
+    try:
+        with pytest.raises(WeightSyncError, match="update_weights|finish_weight_update") as err:
+            engine.push_weights(
+                tensors_killing_the_server(), version + 1, trainer_logprobs=served_qwen2.ref.logprobs
+            )
+    finally:
+        engine.syncer.options = SyncOptions()
+    assert killed_at, str(err.value)
+    assert time.monotonic() - killed_at[0] < 30
+    assert engine.urls[0] in str(err.value)
+    with pytest.raises(RolloutError):
+        engine.generate([[1, 2, 3]], n=1, temperature=0.0, max_tokens=2)
+    served_qwen2.ref.load(state)
+    metrics = engine.recover(iter(state.items()), version + 1, trainer_logprobs=served_qwen2.ref.logprobs)
+    assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= 1e-4
+    _assert_serves_reference(served_qwen2, version + 1)
+
+
+def test_server_killed_mid_generation_raises_rollout_error_fast(served_qwen2):
+    # the last test on the shared server: a later user gets it restarted by the fixture
+    engine, errors, done = served_qwen2.engine, [], threading.Event()
+
+    def generate():
+        try:
+            engine.generate([[i + 1, 2, 3] for i in range(16)], n=4, temperature=1.0, max_tokens=256, seed=0)
+        except RolloutError as e:
+            errors.append(e)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=generate)
+    t.start()
+    time.sleep(1.0)
+    assert not done.is_set()  # still generating when the server dies
+    served_qwen2.server.kill()
+    killed = time.monotonic()
+    assert done.wait(30), "generate hung after the server died"
+    assert time.monotonic() - killed < 30
+    assert errors and "failed after" in str(errors[0])
+    t.join()
