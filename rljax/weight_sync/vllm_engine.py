@@ -13,7 +13,7 @@ Per update (driven by vLLM's `/start_weight_update`, `/update_weights`, `/finish
 - finish: every checkpoint tensor must have arrived (else rejected, naming the first missing one);
   `finalize_layerwise_reload` redoes the backend's processing (the CPU build's GEMM repacking), then
   the tied-lm_head fix: vLLM's CPU build keeps the lm_head's old packed copy after any in-place reload
-  when embeddings are tied (PLATFORM.md), so `dispatch_cpu_unquantized_gemm` re-runs on every
+  when embeddings are tied (PLATFORM.md), so for tied models `dispatch_cpu_unquantized_gemm` re-runs on every
   `ParallelLMHead` that has `cpu_linear`. `init_info={"repack_tied_lm_head": false}` turns the fix off
   (only to show that the canary catches the bug).
 - on a rejected bucket the update is finalized at once (layers not yet pushed keep their old weights,
@@ -38,7 +38,7 @@ from vllm.logger import init_logger
 
 from rljax.weight_sync import wire
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.rljax_shm")  # under "vllm": vLLM configures only that logger tree
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -155,7 +155,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         t0 = time.perf_counter()
         try:
             finalize_layerwise_reload(self.model, self.model_config)
-            if self.options.repack_tied_lm_head:
+            if self._tied and self.options.repack_tied_lm_head:  # untied heads are processed like any layer
                 repack_lm_heads(self.model)
         finally:
             self._active = False
