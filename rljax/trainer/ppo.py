@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from rljax import algos
 from rljax.config import Config
-from rljax.trainer.accumulate import accumulate_gradients, guarded_update, is_finite
+from rljax.trainer.accumulate import guarded_update, is_finite
 from rljax.trainer.batch import TrainBatch
 from rljax.trainer.logprobs import make_logprob_fn, sequence_hidden
 from rljax.trainer.optim import make_optimizer, make_schedule, total_optimizer_steps
@@ -33,25 +33,31 @@ from rljax.trainer.state import (
     batch_sharding,
     critic_shardings,
     init_critic_params,
+    param_shardings,
     replicated,
     resolve_model_config,
     state_shardings,
 )
 from rljax.trainer.step import (
     advance,
-    is_metrics_out,
+    jit_grad_fn,
     jit_step,
+    make_gradients,
     make_policy_loss,
-    normalizers,
-    num_micro_batches,
     optimizer_metrics,
-    policy_metrics,
-    with_importance_weights,
 )
 from rljax.trainer.update import mismatch_metrics, reference_logprobs, run_epochs
 from rljax.types import LossInputs
 
-__all__ = ["critic_values", "init_critic_params", "make_ppo_train_step", "make_ppo_update", "token_rewards"]
+__all__ = [
+    "critic_values",
+    "init_critic_params",
+    "make_advantages_fn",
+    "make_ppo_grad_fn",
+    "make_ppo_train_step",
+    "make_ppo_update",
+    "token_rewards",
+]
 
 
 def critic_values(model_config: Any, critic_params: dict, batch: LossInputs) -> jax.Array:
@@ -103,17 +109,13 @@ def make_ppo_loss(cfg: Config, model_config: Any):
 
 def make_ppo_step_fn(cfg: Config, model_config: Any, mesh: Mesh, optimizer: optax.GradientTransformation):
     """The un-jitted PPO step `(state, batch) -> (state, metrics)` (see make_ppo_train_step)."""
-    loss_fn = make_ppo_loss(cfg, model_config)
+    gradients = make_gradients(cfg, mesh, make_ppo_loss(cfg, model_config))
     schedule = make_schedule(cfg.optim, total_optimizer_steps(cfg))
 
     def step(state: TrainState, batch: TrainBatch):
-        norms = normalizers(batch)
-        batch, is_metrics = with_importance_weights(cfg, batch)
-        params = {"actor": state.params, "critic": state.critic_params}
-        fn = lambda p, mb: loss_fn(p, mb, norms)
-        grads, sums = accumulate_gradients(fn, params, batch, num_micro_batches(cfg, batch.num_rows), mesh)
+        grads, metrics = gradients({"actor": state.params, "critic": state.critic_params}, batch)
         actor_norm, critic_norm = optax.global_norm(grads["actor"]), optax.global_norm(grads["critic"])
-        finite = is_finite(sums["loss/total"], actor_norm + critic_norm)
+        finite = is_finite(metrics["loss/total"], actor_norm + critic_norm)
         actor, actor_opt = guarded_update(optimizer, state.params, state.opt_state, grads["actor"], finite)
         critic, critic_opt = guarded_update(
             optimizer, state.critic_params, state.critic_opt_state, grads["critic"], finite
@@ -126,13 +128,19 @@ def make_ppo_step_fn(cfg: Config, model_config: Any, mesh: Mesh, optimizer: opta
             critic_params=critic,
             critic_opt_state=critic_opt,
         )
-        metrics = policy_metrics(sums, norms["num_tokens"]) | is_metrics_out(is_metrics)
-        metrics["loss/value"] = sums["loss/value"]
         metrics |= optimizer_metrics(actor_norm, finite, schedule(state.step), new_state.nonfinite_count)
         metrics["optim/critic_grad_norm"] = critic_norm
         return new_state, metrics
 
     return step
+
+
+def make_ppo_grad_fn(cfg: Config, model_config: Any, mesh: Mesh) -> Callable:
+    """Jitted `fn({"actor": params, "critic": critic_params}, batch) -> (grads, metrics)`: exactly the PPO
+    step's accumulated gradients (no update). For tests and diagnostics."""
+    resolved = resolve_model_config(cfg, model_config)
+    shardings = {"actor": param_shardings(resolved, mesh), "critic": critic_shardings(resolved, mesh)}
+    return jit_grad_fn(make_gradients(cfg, mesh, make_ppo_loss(cfg, model_config)), shardings, mesh)
 
 
 def make_ppo_train_step(

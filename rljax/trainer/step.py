@@ -110,8 +110,9 @@ def with_importance_weights(cfg: Config, batch: TrainBatch) -> tuple[TrainBatch,
 
 
 def policy_metrics(sums: dict, num_tokens: jax.Array) -> dict:
-    """Scalar policy metrics from accumulated sums: loss terms, kl/entropy means, clip fractions."""
-    out = {k: sums.get(k, jnp.zeros(())) for k in ("loss/total", "loss/policy", "loss/kl", "loss/entropy")}
+    """Scalar metrics from accumulated sums: every `loss/*` term, kl/entropy token means, clip fractions."""
+    out = {k: jnp.zeros(()) for k in ("loss/kl", "loss/entropy")}  # reported as 0 when the term is off
+    out |= {k: v for k, v in sums.items() if k.startswith("loss/")}
     out["kl/mean"] = sums.get("tok/kl", jnp.zeros(())) / num_tokens
     out["entropy/mean"] = sums["tok/entropy"] / num_tokens
     for k, v in sums.items():
@@ -155,24 +156,33 @@ def num_micro_batches(cfg: Config, rows: int) -> int:
     return rows // micro
 
 
+def make_gradients(cfg: Config, mesh: Mesh, loss_fn: LossFn) -> Callable[[Any, TrainBatch], tuple[Any, dict]]:
+    """Un-jitted `fn(params, batch) -> (grads, metrics)` shared by every step: IS weights on the whole
+    minibatch, then `loss_fn` gradients accumulated over micro-batches with the minibatch's normalizers."""
+
+    def gradients(params, batch: TrainBatch):
+        norms = normalizers(batch)
+        batch, is_metrics = with_importance_weights(cfg, batch)
+        fn = lambda p, mb: loss_fn(p, mb, norms)
+        grads, sums = accumulate_gradients(fn, params, batch, num_micro_batches(cfg, batch.num_rows), mesh)
+        return grads, policy_metrics(sums, norms["num_tokens"]) | is_metrics_out(is_metrics)
+
+    return gradients
+
+
 def make_grpo_step_fn(
     cfg: Config, model_config: Any, mesh: Mesh, optimizer: optax.GradientTransformation
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
     """The un-jitted GRPO-family step `(state, batch) -> (state, metrics)` (see make_train_step)."""
-    loss_fn = make_policy_loss(cfg, model_config)
+    gradients = make_gradients(cfg, mesh, make_policy_loss(cfg, model_config))
     schedule = make_schedule(cfg.optim, total_optimizer_steps(cfg))
 
     def step(state: TrainState, batch: TrainBatch):
-        norms = normalizers(batch)
-        batch, is_metrics = with_importance_weights(cfg, batch)
-        micro = num_micro_batches(cfg, batch.num_rows)
-        fn = lambda p, mb: loss_fn(p, mb, norms)
-        grads, sums = accumulate_gradients(fn, state.params, batch, micro, mesh)
+        grads, metrics = gradients(state.params, batch)
         grad_norm = optax.global_norm(grads)
-        finite = is_finite(sums["loss/total"], grad_norm)
+        finite = is_finite(metrics["loss/total"], grad_norm)
         params, opt_state = guarded_update(optimizer, state.params, state.opt_state, grads, finite)
         new_state = advance(state, finite, params=params, opt_state=opt_state)
-        metrics = policy_metrics(sums, norms["num_tokens"]) | is_metrics_out(is_metrics)
         metrics |= optimizer_metrics(grad_norm, finite, schedule(state.step), new_state.nonfinite_count)
         return new_state, metrics
 
@@ -216,17 +226,17 @@ def make_train_step(
     return jit_step(make_grpo_step_fn(cfg, model_config, mesh, optimizer), shardings, mesh)
 
 
+def jit_grad_fn(gradients: Callable, params_shardings: Any, mesh: Mesh) -> Callable:
+    """`jax.jit(gradients)` with params in/grads out on `params_shardings`, metrics replicated."""
+    return jax.jit(
+        gradients,
+        in_shardings=(params_shardings, batch_sharding(mesh)),
+        out_shardings=(params_shardings, replicated(mesh)),
+    )
+
+
 def make_grad_fn(cfg: Config, model_config: Any, mesh: Mesh) -> Callable[[Any, TrainBatch], tuple[Any, dict]]:
-    """Jitted `fn(params, batch) -> (grads, metrics)`: the GRPO-family step's accumulated gradient
-    (same micro-batching, no update) and its policy metrics. For tests and gradient diagnostics."""
-    loss_fn = make_policy_loss(cfg, model_config)
-
-    def grad_fn(params, batch: TrainBatch):
-        norms = normalizers(batch)
-        batch, _ = with_importance_weights(cfg, batch)
-        fn = lambda p, mb: loss_fn(p, mb, norms)
-        grads, sums = accumulate_gradients(fn, params, batch, num_micro_batches(cfg, batch.num_rows), mesh)
-        return grads, policy_metrics(sums, norms["num_tokens"])
-
-    p_sh = param_shardings(resolve_model_config(cfg, model_config), mesh)
-    return jax.jit(grad_fn, in_shardings=(p_sh, batch_sharding(mesh)), out_shardings=(p_sh, replicated(mesh)))
+    """Jitted `fn(params, batch) -> (grads, metrics)`: exactly the GRPO-family step's accumulated
+    gradient (same micro-batching, no update) and its loss metrics. For tests and diagnostics."""
+    gradients = make_gradients(cfg, mesh, make_policy_loss(cfg, model_config))
+    return jit_grad_fn(gradients, param_shardings(resolve_model_config(cfg, model_config), mesh), mesh)
