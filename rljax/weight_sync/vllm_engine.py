@@ -104,7 +104,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             size = os.fstat(f.fileno()).st_size
             if self.options.validate:
                 wire.check_entries(entries, self.spec(), self._seen, size)
-            mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else None
+            # MAP_POPULATE: fault the whole bucket in at once here, not page by page inside vLLM's copies.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ) if size else None
         weights = [(e.name, self._tensor(mapping, e, info.copy)) for e in entries]
         if mapping is not None:
             if info.copy:
