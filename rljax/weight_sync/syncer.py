@@ -203,17 +203,19 @@ class WeightSyncer:
                 self._post(url, "/start_weight_update")
             for bucket in _rejecting(buckets):
                 t = time.perf_counter()
-                for url in self.urls:
-                    self._post(
-                        url,
-                        "/update_weights",
-                        {"update_info": bucket.update_info(copy=copy)},
-                        timeout_s=o.update_timeout_s,
-                    )
+                try:
+                    for url in self.urls:
+                        self._post(
+                            url,
+                            "/update_weights",
+                            {"update_info": bucket.update_info(copy=copy)},
+                            timeout_s=o.update_timeout_s,
+                        )
+                finally:
+                    if copy:  # the worker copied it out (or failed): the file is not needed again
+                        bucket.unlink()
                 engine_s += time.perf_counter() - t
                 nbytes += bucket.nbytes
-                if copy:
-                    bucket.unlink()
             t = time.perf_counter()
             for url in self.urls:
                 self._post(
@@ -268,6 +270,7 @@ class _Prefetch:
                         continue
                 if self._stop.is_set():
                     item.unlink()
+                    it.close()  # runs stage_buckets' cleanup of the bucket it was writing
                     return
             self._q.put(("done", None))
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
