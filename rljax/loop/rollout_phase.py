@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 
+from rljax.envs import ENVS
 from rljax.loop.trajectory import Trajectory, build_loss_inputs
 
 
@@ -82,8 +83,9 @@ def select_groups(run, step: int) -> tuple[list[Group], dict]:
     need = cfg.rollout.batch_size // cfg.rollout.group_size
     kept, dropped, metrics, rounds = [], [], {}, 0
     seed = cfg.trainer.seed * 1_000_003 + step * 101
+    generate = ENVS.get(cfg.rollout.env).generate_groups if cfg.rollout.env else generate_groups
     while len(kept) < need:
-        groups, metrics_round = generate_groups(
+        groups, metrics_round = generate(
             run, run.prompts.next_examples(need - len(kept)), seed + rounds
         )
         metrics = metrics_round if not metrics else _add_counts(metrics, metrics_round)
