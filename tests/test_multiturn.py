@@ -165,7 +165,7 @@ def test_env_faults_do_not_stall_the_rollout(tokenizer):
 def test_malformed_call_gets_an_error_observation(tokenizer):
     retry = '<tool_call>{"name": "calculator", "arguments": {"expression": "3 + 4"}}</tool_call>'
     script = lambda turn: ["}</tool_call>", retry, " 7<|im_end|>"][turn]  # noqa: E731
-    run = make_run(tokenizer, script, group_size=1)
+    run = make_run(tokenizer, script, group_size=1, max_tokens=64)
     groups, metrics = generate_multi_turn_groups(run, EXAMPLES[:1], seed=0, spec=EnvSpec(ToolMathEnv))
     assert metrics["env/malformed_calls"] == 1 and metrics["env/tool_errors"] == 1
     text = tokenizer.decode(list(groups[0].trajectories[0].completion_ids), skip_special_tokens=False)
