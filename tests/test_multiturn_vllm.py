@@ -1,0 +1,173 @@
+"""Multi-turn tool use with the real CPU vLLM: token-in/token-out against a reference forward, and GRPO
+through `python -m rljax.main --config.rollout.env=calculator_math`.
+
+A random tiny model never writes a tool call, so the module first teaches one (transformers SFT, a few
+hundred steps, ~10-30 s): close the prefilled calculator call, then answer after the tool response.
+Everything after that is real: vLLM samples every model turn, the calculator runs, the loop trains.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from rljax.envs import ENVS, generate_multi_turn_groups
+from rljax.envs.math_env import TOOL_RESPONSE, ToolMathEnv
+from rljax.envs.tools import calculator_tool
+from rljax.loop.trajectory import build_loss_inputs
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SFT_STEPS = 200
+TASK = {"num_examples": 400, "seed": 0, "max_value": 4, "ops": ("+",)}
+
+
+def _sft_rows(tok, ex) -> tuple[list[int], list[int]]:
+    env = ToolMathEnv()
+    segments = [
+        (env.reset(ex), False),
+        ('"}}</tool_call>', True),
+        (TOOL_RESPONSE.format(output=calculator_tool({"expression": ex["expr"]})), False),
+        (f" {ex['answer']}<|im_end|>", True),
+    ]
+    ids, labels = [], []
+    for text, train in segments:
+        t = tok(text, add_special_tokens=False)["input_ids"]
+        ids += t
+        labels += t if train else [-100] * len(t)
+    return ids, labels
+
+
+def build_tool_model(out: str, steps: int = SFT_STEPS) -> str:
+    """A tiny Qwen2 taught the calculator_math format by supervised learning (labels on model turns)."""
+    import torch
+    import transformers
+
+    from rljax.data import make_source
+    from rljax.models.tiny import build_tokenizer, tiny_hf_config
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    config = tiny_hf_config("qwen2", eos_token_id=build_tokenizer(out).eos_token_id)
+    config.save_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)  # as vLLM and the loop load it
+    data = [_sft_rows(tok, ex) for ex in make_source("arithmetic", **TASK)]
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
+    for _ in range(steps):
+        batch = rng.sample(data, 16)
+        width = max(len(i) for i, _ in batch)
+        ids = torch.zeros(16, width, dtype=torch.long)
+        labels = torch.full((16, width), -100, dtype=torch.long)
+        attn = torch.zeros(16, width, dtype=torch.long)
+        for k, (i, lab) in enumerate(batch):
+            ids[k, : len(i)], labels[k, : len(i)], attn[k, : len(i)] = torch.tensor(i), torch.tensor(lab), 1
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from rljax.rollout import ServerOptions, VLLMEngine
+
+    root = tmp_path_factory.mktemp("multiturn")
+    path = build_tool_model(str(root / "model"))
+    options = ServerOptions(
+        gpu_memory_utilization=0.08, kvcache_space_gib=1, max_model_len=512, startup_timeout_s=300.0
+    )
+    engine = VLLMEngine.launch(path, root / "vllm", server_options=options)
+    try:
+        yield SimpleNamespace(engine=engine, path=path)
+    finally:
+        engine.close()
+
+
+def _run_like(served, tok, group_size=4):
+    rollout = SimpleNamespace(
+        group_size=group_size, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, env="calculator_math"
+    )
+    return SimpleNamespace(
+        cfg=SimpleNamespace(rollout=rollout),
+        tokenizer=tok,
+        engine=served.engine,
+        stop_token_ids=(tok.eos_token_id,),
+        max_sequence_length=512,
+        length_shaping=lambda lengths: np.zeros(len(lengths), np.float32),
+    )
+
+
+def test_token_in_token_out_with_real_vllm(served):
+    import transformers
+    from vllm_server import TorchReference
+
+    tok = transformers.AutoTokenizer.from_pretrained(served.path)
+    examples = [{"expr": f"{a} + {b}", "answer": str(a + b)} for a, b in ((1, 2), (3, 4), (2, 2), (4, 0))]
+    run = _run_like(served, tok)
+    groups, metrics = generate_multi_turn_groups(run, examples, seed=7, spec=ENVS.get("calculator_math"))
+    assert metrics["env/tool_calls"] >= 8, metrics  # the tool path ran for real on most episodes
+    ref = TorchReference(served.path)
+    checked = 0
+    for g, ex in zip(groups, examples, strict=True):
+        response = tok(
+            TOOL_RESPONSE.format(output=str(eval(ex["expr"]))),  # noqa: S307  (a + b from this test)
+            add_special_tokens=False,
+        )["input_ids"]
+        for t in g.trajectories:
+            ids, mask = list(t.completion_ids), np.asarray(t.completion_mask)
+            inserted = [x for x, m in zip(ids, mask, strict=True) if m == 0]
+            if not inserted:
+                continue
+            assert inserted == response  # the tool output, tokenized once, nothing else at mask 0
+            first = int(np.argmin(mask))
+            assert tok.decode(ids[:first], skip_special_tokens=False).endswith("</tool_call>")
+            # vLLM's log-probs of every sampled token, conditioned on the history it was given, equal
+            # the reference forward over the trained row: the sampler saw exactly the trained tokens.
+            expected = ref.logprobs(list(t.prompt_ids), ids)
+            np.testing.assert_allclose(np.asarray(t.logprobs)[mask == 1], expected[mask == 1], atol=2e-4)
+            batch = build_loss_inputs([t], np.zeros(1), temperature=1.0)
+            p = len(t.prompt_ids)
+            np.testing.assert_array_equal(np.asarray(batch.loss_mask[0, p - 1 : p - 1 + len(ids)]), mask)
+            assert float(np.asarray(batch.loss_mask).sum()) == mask.sum()
+            checked += 1
+    assert checked >= 8
+
+
+def test_grpo_main_multi_turn_calculator(served, tmp_path):
+    url = served.engine.urls[0]
+    args = [
+        "--config=configs/grpo.py:smoke",
+        "--config.rollout.env=calculator_math",
+        f"--config.model.path={served.path}",
+        f"--config.rollout.vllm.urls=('{url}',)",
+        "--config.trainer.eval_every=0",
+        f"--workdir={tmp_path}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rljax.main", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if line.strip()]
+    steps = [r for r in rows if r["step"] >= 1]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["env/tool_calls"] > 0 and r["env/turns_mean"] > 1.0, r
+        assert "env/tool_errors" in r and "env/tool_timeouts" in r
+        assert all(math.isfinite(v) for k, v in r.items() if k.startswith("loss") and isinstance(v, float))
