@@ -152,6 +152,7 @@ def test_grpo_main_multi_turn_calculator(served, tmp_path):
         f"--config.model.path={served.path}",
         f"--config.rollout.vllm.urls=('{url}',)",
         "--config.trainer.eval_every=0",
+        "--config.data.source_options=(('num_examples', 400), ('max_value', 4), ('ops', ('+',)))",  # = TASK
         f"--workdir={tmp_path}",
     ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -167,6 +168,8 @@ def test_grpo_main_multi_turn_calculator(served, tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if line.strip()]
     steps = [r for r in rows if r["step"] >= 1]
     assert [r["step"] for r in steps] == [1, 2, 3]
+    keys = ("env/tool_calls", "env/tool_errors", "env/turns_mean", "reward/mean", "timing/rollout_s")
+    print({r["step"]: {k: r.get(k) for k in keys} for r in steps})  # shown with pytest -s
     for r in steps:
         assert r["env/tool_calls"] > 0 and r["env/turns_mean"] > 1.0, r
         assert "env/tool_errors" in r and "env/tool_timeouts" in r
