@@ -9,6 +9,8 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["vllm_server"]  # session-scoped vLLM servers shared by the rollout and sync tests
+
 
 def _has_gpu() -> bool:
     try:
