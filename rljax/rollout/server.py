@@ -52,6 +52,18 @@ class ServerOptions:
     extra_env: tuple[tuple[str, str], ...] = ()
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the process that started the server dies, even by SIGKILL, so a crashed
+    trainer never leaves an orphaned server holding memory (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+    except OSError:  # not Linux: fall back to the explicit stop() paths
+        pass
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` that was free a moment ago (bound to port 0, then released)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -156,6 +168,7 @@ class VLLMServer:
                 stderr=subprocess.STDOUT,
                 env=server_env(self.options),
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         return self
 
