@@ -85,9 +85,7 @@ def select_groups(run, step: int) -> tuple[list[Group], dict]:
     seed = cfg.trainer.seed * 1_000_003 + step * 101
     generate = ENVS.get(cfg.rollout.env).generate_groups if cfg.rollout.env else generate_groups
     while len(kept) < need:
-        groups, metrics_round = generate(
-            run, run.prompts.next_examples(need - len(kept)), seed + rounds
-        )
+        groups, metrics_round = generate(run, run.prompts.next_examples(need - len(kept)), seed + rounds)
         metrics = metrics_round if not metrics else _add_counts(metrics, metrics_round)
         if not cfg.algo.dynamic_sampling:
             kept += groups
