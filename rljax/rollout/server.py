@@ -58,6 +58,9 @@ def _die_with_parent() -> None:
     import ctypes
     import signal
 
+    # The trainer's preemption signal (SIGUSR1, which Slurm may deliver to every process of the step) is
+    # for the trainer: the server must keep serving until the trainer has saved and stops it.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
     except OSError:  # not Linux: fall back to the explicit stop() paths
