@@ -132,12 +132,17 @@ def test_only_entry_points_read_flags():
     assert not bad, bad
 
 
-def test_no_top_level_kernels_module_is_installed():
-    import importlib.util
+def test_no_top_level_kernels_module_is_installed(tmp_path):
+    import subprocess
 
     import rljax.kernels
 
     assert pathlib.Path(rljax.kernels.__file__).parent == REPO / "kernels"
-    assert importlib.util.find_spec("kernels") is None or "site-packages" in str(
-        importlib.util.find_spec("kernels").origin
-    ), "a top-level `kernels` module shadows the distribution transformers looks for"
+    # Outside the repo (no checkout on sys.path), `kernels` must not resolve to our folder: that name
+    # belongs to another distribution that transformers looks for.
+    code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else 'none')"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    origin = out.stdout.strip()
+    assert origin == "none" or "site-packages" in origin, origin
