@@ -13,6 +13,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rljax import config as config_lib
+from rljax.runtime import fail  # one line on stderr, exit 2: the same for every user error
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, e.g. configs/grpo.py or configs/grpo.py:smoke.", lock_config=True
@@ -20,14 +21,6 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Run directory: metrics, checkpoints, logs; reused to resume."
 )
-
-EXIT_USER_ERROR = 2
-
-
-def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
-    """Prints one clear line and exits (user errors: no traceback)."""
-    print(f"rljax: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(code)
 
 
 def check_argv(argv: list[str]) -> None:
