@@ -72,8 +72,24 @@ def _slurm_step_tasks() -> int:
     return int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS") or "1")
 
 
+def preflight_or_fail(cfg: config_lib.Config) -> None:
+    """Runs `rljax.preflight` on this machine before any allocation; exits 2, all failures on one line."""
+    import jax
+
+    from rljax import preflight
+
+    failures = preflight.run_preflight(
+        cfg,
+        num_devices=jax.device_count(),
+        num_processes=jax.process_count(),
+        device_memory_bytes=preflight.device_memory_bytes(),
+    )
+    if failures:
+        fail("preflight: " + "; ".join(failures))
+
+
 def run(cfg: config_lib.Config, workdir: str) -> None:
-    """Validates the config against this machine and runs the training loop."""
+    """Validates the config against this machine (config checks, then preflight) and runs the loop."""
     initialize_jax()
     import jax
 
@@ -81,6 +97,7 @@ def run(cfg: config_lib.Config, workdir: str) -> None:
         config_lib.validate_runtime(cfg, jax.device_count())
     except config_lib.ConfigError as e:
         fail(f"config: {e}")
+    preflight_or_fail(cfg)
     from rljax.loop.train import train
 
     train(cfg, workdir)

@@ -61,6 +61,17 @@ def test_missing_model_path(tmp_path):
     assert_user_error(proc, "model.path", "no such directory")
 
 
+def test_preflight_runs_before_training(tmp_path):
+    """A setup only preflight can judge (an unreachable rollout server) fails before any allocation."""
+    proc = run_main(
+        "--config=configs/grpo.py",
+        f"--workdir={tmp_path}",
+        "--config.rollout.vllm.urls=('http://127.0.0.1:9',)",
+    )
+    assert_user_error(proc, "preflight", "rollout.vllm.urls", "127.0.0.1:9")
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_missing_config_file(tmp_path):
     proc = run_main("--config=configs/nope.py", f"--workdir={tmp_path}")
     assert_user_error(proc, "no such config file")
