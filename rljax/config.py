@@ -57,6 +57,7 @@ class AlgoConfig:
     overlong_penalty: float = 1.0
     gamma: float = 1.0  # PPO / GAE
     lam: float = 1.0
+    whiten_advantages: bool = True  # PPO: normalise GAE advantages over the batch's loss tokens
     vf_coef: float = 0.5
     value_clip: float = 0.2  # 0 disables value clipping
 

@@ -121,6 +121,17 @@ def test_gae_with_gamma_lam_one_is_monte_carlo():
     np.testing.assert_allclose(adv, [[5.5, 4.5, 2.5, 0]], **TOL)
 
 
+def test_masked_whiten():
+    # Loss tokens 1, 2, 3 (and 6): mean 3, population var (4 + 1 + 0 + 9) / 4 = 3.5; off-mask 100 ignored.
+    x = jnp.array([[1.0, 2, 100], [3, 6, 100]])
+    mask = jnp.array([[1.0, 1, 0], [1, 1, 0]])
+    s = np.sqrt(3.5 + 1e-8)
+    np.testing.assert_allclose(
+        algos.masked_whiten(x, mask), [[-2 / s, -1 / s, 0], [0, 3 / s, 0]], **TOL
+    )
+    np.testing.assert_array_equal(algos.masked_whiten(x, jnp.zeros_like(mask)), 0.0)
+
+
 def test_value_loss():
     # t0: V=1, old=1, R=2: (1-2)^2 = 1 either way -> 0.5.
     # t1: V=2, old=1, clip .2 -> V_clip = 1.2; max((2-2.5)^2, (1.2-2.5)^2) = max(.25, 1.69) -> .845

@@ -5,8 +5,9 @@ Variants live in registries, resolved by name when a step is built (`ADVANTAGES.
     POLICY_LOSSES      fn(logp, old_logp, advantages, mask, **options) -> (per_token f32[B,T], metrics)
     KL_ESTIMATORS      fn(logp, ref_logp) -> f32[B,T]
     LOSS_AGGREGATIONS  fn(per_token, mask, *, num_tokens, num_seqs, max_len) -> f32[]
-Plain functions: `gae`, `value_loss`, `importance_weights`, `dynamic_sampling_mask`, `overlong_penalty`,
-`token_entropy`, `entropy_bonus`. Imports only jax/numpy and rljax.registry (see tests/test_layering.py).
+Plain functions: `gae`, `masked_whiten`, `value_loss`, `importance_weights`, `dynamic_sampling_mask`,
+`overlong_penalty`, `token_entropy`, `entropy_bonus`.
+Imports only jax/numpy and rljax.registry (see tests/test_layering.py).
 """
 
 from ._masked import LOG_RATIO_CLAMP
@@ -21,7 +22,7 @@ from .aggregation import (
     token_mean,
 )
 from .dapo import dynamic_sampling_mask, overlong_penalty
-from .gae import gae, value_loss
+from .gae import gae, masked_whiten, value_loss
 from .kl import KL_ESTIMATORS, k1, k2, k3
 from .off_policy import importance_weights
 from .policy_losses import POLICY_LOSSES, clipped_objective, gspo, ppo_clip
@@ -43,6 +44,7 @@ __all__ = [
     "k1",
     "k2",
     "k3",
+    "masked_whiten",
     "overlong_penalty",
     "ppo_clip",
     "reinforce_pp",

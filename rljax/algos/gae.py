@@ -43,6 +43,23 @@ def gae(
     return advantages, mask * (advantages + values)
 
 
+def masked_whiten(x: jax.Array, mask: jax.Array, *, eps: float = 1e-8) -> jax.Array:
+    """`(x - mean) / sqrt(var + eps)` with mean and (population) variance over the mask tokens of the
+    whole batch; 0 off the mask. x f32[B,T], mask f32[B,T] -> f32[B,T]. An all-zero mask gives zeros.
+
+    PPO's per-batch advantage normalisation: GAE advantages have a scale set by the reward and the critic's
+    error, which the clip range assumes is about 1.
+
+    References: the advantage normalisation of OpenAI baselines' ppo2, studied in Andrychowicz et al. 2021,
+    "What Matters in On-Policy Reinforcement Learning?" (arXiv:2006.05990).
+    """
+    x, mask = jnp.asarray(x, jnp.float32), jnp.asarray(mask, jnp.float32)
+    count = jnp.maximum(mask.sum(), 1.0)
+    mean = (x * mask).sum() / count
+    var = (jnp.square(x - mean) * mask).sum() / count
+    return (x - mean) * jax.lax.rsqrt(var + eps) * mask
+
+
 def value_loss(
     values: jax.Array, old_values: jax.Array, returns: jax.Array, mask: jax.Array, *, clip: float | None
 ) -> jax.Array:

@@ -78,13 +78,20 @@ def token_rewards(batch: LossInputs) -> jax.Array:
 def make_advantages_fn(
     cfg: Config, mesh: Mesh
 ) -> Callable[[LossInputs, jax.Array], tuple[jax.Array, jax.Array]]:
-    """Jitted `fn(batch, values f32[B,T]) -> (advantages f32[B,T], returns f32[B,T])` by GAE."""
-    gamma, lam = cfg.algo.gamma, cfg.algo.lam
+    """Jitted `fn(batch, values f32[B,T]) -> (advantages f32[B,T], returns f32[B,T])` by GAE.
+
+    Returns are `A + V` before normalisation; with `algo.whiten_advantages` the advantages the policy
+    loss sees are whitened over the batch's loss tokens (`algos.masked_whiten`).
+    """
+    gamma, lam, whiten = cfg.algo.gamma, cfg.algo.lam, cfg.algo.whiten_advantages
 
     def fn(batch, values):
-        return algos.gae(
+        advantages, returns = algos.gae(
             rewards=token_rewards(batch), values=values, mask=batch.loss_mask, gamma=gamma, lam=lam
         )
+        if whiten:
+            advantages = algos.masked_whiten(advantages, batch.loss_mask)
+        return advantages, returns
 
     return jax.jit(fn, out_shardings=(batch_sharding(mesh), batch_sharding(mesh)))
 
