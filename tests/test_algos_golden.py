@@ -126,9 +126,7 @@ def test_masked_whiten():
     x = jnp.array([[1.0, 2, 100], [3, 6, 100]])
     mask = jnp.array([[1.0, 1, 0], [1, 1, 0]])
     s = np.sqrt(3.5 + 1e-8)
-    np.testing.assert_allclose(
-        algos.masked_whiten(x, mask), [[-2 / s, -1 / s, 0], [0, 3 / s, 0]], **TOL
-    )
+    np.testing.assert_allclose(algos.masked_whiten(x, mask), [[-2 / s, -1 / s, 0], [0, 3 / s, 0]], **TOL)
     np.testing.assert_array_equal(algos.masked_whiten(x, jnp.zeros_like(mask)), 0.0)
 
 
