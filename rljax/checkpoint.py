@@ -7,16 +7,28 @@ Items of each step:
 orbax writes `<step>.orbax-checkpoint-tmp` and renames it when complete, so a process killed mid-save leaves
 nothing `all_steps()` lists; a finished step whose bytes are corrupt fails only at restore, so
 `restore_latest` walks back to the newest step that restores and says so on stderr.
+
+Test-only hook (fault tests of a save killed in flight): `RLJAX_TEST_SLOW_SAVE_S=<seconds>` makes every async
+save (or only step `RLJAX_TEST_SLOW_SAVE_STEP`, when set) wait that long after its data is written and before
+orbax renames the step into place, so the step stays `<step>.orbax-checkpoint-tmp*` meanwhile. Unset (the
+default) it does nothing; it never changes what is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from rljax.types import LossInputs
+
+BATCHES_DIR = "batches"
 
 
 class CheckpointError(RuntimeError):
@@ -28,12 +40,15 @@ class Checkpointer:
 
     def __init__(self, directory: str, *, keep_last: int = 3, keep_every: int = 0, async_save: bool = True):
         self.directory = os.path.abspath(directory)
+        self._saving_step: int | None = None
+        slow = _slow_save_hook(lambda: self._saving_step) if async_save else None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_last,
             keep_period=keep_every or None,
             enable_async_checkpointing=async_save,
             create=True,
             cleanup_tmp_directories=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=slow) if slow else None,
         )
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "extra", "config")
@@ -49,6 +64,8 @@ class Checkpointer:
             extra=ocp.args.JsonSave(extra),
             config=ocp.args.JsonSave(config),
         )
+        self._manager.wait_until_finished()  # orbax would too; the slow-save hook reads the step in flight
+        self._saving_step = step
         return self._manager.save(step, args=args, force=force)
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
@@ -58,6 +75,11 @@ class Checkpointer:
         )
         restored = self._manager.restore(step, args=args)
         return restored["state"], dict(restored["extra"])
+
+    def restore_extra(self, step: int) -> dict:
+        return dict(
+            self._manager.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))["extra"]
+        )
 
     def restore_config(self, step: int) -> dict:
         return dict(
@@ -104,8 +126,49 @@ class Checkpointer:
         self._manager.close()
 
 
+def _slow_save_hook(saving_step):
+    """The RLJAX_TEST_SLOW_SAVE_S callback (run by orbax before the final rename), or None when unset."""
+    seconds = float(os.environ.get("RLJAX_TEST_SLOW_SAVE_S") or 0)
+    only = os.environ.get("RLJAX_TEST_SLOW_SAVE_STEP")
+    if seconds <= 0:
+        return None
+
+    def hold() -> None:
+        if only is None or int(only) == saving_step():
+            print(f"rljax: test hook: holding save of step {saving_step()} for {seconds} s", file=sys.stderr)
+            time.sleep(seconds)
+
+    return hold
+
+
 def abstract_like(tree: Any) -> Any:
     """ShapeDtypeStructs (with shardings) of a concrete array tree: the restore target for the same layout."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
     )
+
+
+def batch_path(workdir: str, step: int) -> str:
+    """Where the batch trained on from checkpoint `step` (producing `step + 1`) is saved."""
+    return os.path.join(workdir, BATCHES_DIR, f"step_{step:08d}.npz")
+
+
+def save_batch(workdir: str, step: int, batch: LossInputs) -> str:
+    """Writes a host LossInputs to `batch_path(workdir, step)` atomically (a killed write leaves no file)."""
+    path = batch_path(workdir, step)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    arrays = {f.name: np.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+    tmp = f"{path}.tmp-{os.getpid()}.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+    return path
+
+
+def load_batch(path: str) -> LossInputs:
+    """The LossInputs `save_batch` wrote (bit for bit, sampler settings included)."""
+    with np.load(path) as data:
+        fields = {f.name: data[f.name] for f in dataclasses.fields(LossInputs)}
+    for name in ("temperature", "top_p"):
+        fields[name] = float(fields[name])
+    fields["top_k"] = int(fields["top_k"])
+    return LossInputs(**fields)

@@ -159,6 +159,9 @@ class CheckpointConfig:
     keep_last: int = 3
     keep_every: int = 0  # also keep every K-th step forever; 0 disables
     async_save: bool = True
+    # Also write each step's LossInputs batch to workdir/batches/step_<S>.npz (the batch trained on from
+    # checkpoint S), so `python -m rljax.replay` can re-run that update and check it against checkpoint S+1.
+    save_batches: bool = False
 
 
 @dataclass(frozen=True)

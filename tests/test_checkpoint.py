@@ -108,3 +108,38 @@ def test_restore_onto_a_different_mesh(tmp_path):
     _, restored, _ = ck.restore_latest(target)
     assert restored["params"]["w"].sharding.mesh.devices.size == 4
     assert_tree_equal(restored, state)
+
+
+def test_saved_batch_round_trips_bit_for_bit(tmp_path):
+    from rljax.checkpoint import batch_path, load_batch, save_batch
+    from rljax.loop.trajectory import Trajectory, build_loss_inputs
+
+    trajs = [
+        Trajectory([3, 4], [5, 6, 7], [-0.5, -1.25, -2.0], 1.0, 0, 2),
+        Trajectory([3], [9], [-0.1], 0.0, 1, 1),
+    ]
+    batch = build_loss_inputs(trajs, np.asarray([0.7, -0.7], np.float32), temperature=0.8, top_p=0.9, top_k=5)
+    path = save_batch(str(tmp_path), 3, batch)
+    assert path == batch_path(str(tmp_path), 3) and path.endswith("batches/step_00000003.npz")
+    assert os.listdir(tmp_path / "batches") == ["step_00000003.npz"]  # no temporary file left behind
+    got = load_batch(path)
+    assert (got.temperature, got.top_p, got.top_k) == (0.8, 0.9, 5)
+    assert jax.tree.structure(got) == jax.tree.structure(batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(batch), strict=True):
+        assert a.dtype == np.asarray(b).dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def test_slow_save_hook_keeps_the_step_unlisted_until_renamed(tmp_path, monkeypatch):
+    """RLJAX_TEST_SLOW_SAVE_S holds only the chosen step between its data write and its rename."""
+    monkeypatch.setenv("RLJAX_TEST_SLOW_SAVE_S", "3")
+    monkeypatch.setenv("RLJAX_TEST_SLOW_SAVE_STEP", "2")
+    ck = Checkpointer(str(tmp_path), async_save=True)
+    ck.save(1, make_state(1), {"k": 1}, {})
+    ck.wait()
+    ck.save(2, make_state(2), {"k": 2}, {})
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "2" not in names and any(n.startswith("2.orbax-checkpoint-tmp") for n in names), names
+    ck.wait()
+    assert ck.all_steps() == [1, 2] and ck.restore_extra(2) == {"k": 2}
+    ck.close()

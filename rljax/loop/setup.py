@@ -2,7 +2,8 @@
 
 `Run` holds handles, not logic: the phases in `rljax.loop.train` and `rljax.loop.rollout_phase` use them.
 Resuming restores the train state, data position, policy version and async buffer from the newest good
-checkpoint, then re-pushes the restored weights into the (new) rollout server before the first step.
+checkpoint, then re-pushes the restored weights into the (new) rollout server before the first step;
+connected servers (`rollout.vllm.urls`) get this run's weights before the first step even on a fresh start.
 """
 
 from __future__ import annotations
@@ -195,8 +196,11 @@ def build_run(cfg: Config, workdir: str) -> Run:
     if restored is not None:
         start_step, state, extra = restored
         prompts.restore(extra["data"])
+        print(f"rljax: resuming from checkpoint step {start_step} in {checkpointer.directory}", flush=True)
     engine = make_engine(cfg, workdir, model_config, mesh, data_parallel=sizes["data"] * sizes["fsdp"])
-    if restored is not None:  # the new server holds the base weights: push the restored ones
+    if restored is not None or cfg.rollout.vllm.urls:
+        # A server we start holds the base weights; one we connect to holds whatever it was last sent
+        # (e.g. a previous run's policy): either way serve exactly this run's weights from the first step.
         engine.push_weights(state.params, start_step)
     logger, status = make_writers(cfg, workdir, start_step)
     run = Run(

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 
+from rljax.checkpoint import save_batch
 from rljax.config import Config
 from rljax.loop import rollout_phase
 from rljax.loop.distributed import barrier, broadcast_tree, is_leader
@@ -57,6 +58,8 @@ def run_step(run: Run, step: int) -> dict:
     with timer.phase("batch"):
         batch, batch_metrics = rollout_phase.to_loss_inputs(run, groups, step) if leader else (None, {})
         batch = broadcast_tree(batch, like=run.batch_template)
+        if cfg.checkpoint.save_batches and leader:  # for `rljax.replay` of this update
+            save_batch(run.workdir, step, batch)
         sharded = run.shard_batch(batch)
     with timer.phase("update"):
         run.state, update_metrics = run.update(run.state, sharded, run.ref_params)

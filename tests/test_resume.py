@@ -1,0 +1,202 @@
+"""Exact resume, end to end: `python -m rljax.main` runs killed with SIGKILL and resumed end bit for bit
+where an uninterrupted run ends (params and optimizer state), with one metrics line per step.
+
+Real vLLM (CPU build, one server for this module, connected through rollout.vllm.urls), real orbax.
+Rollouts are reproducible across processes because every request carries its own seed (derived from
+trainer.seed, the step and the prompt index) and each run pushes its own weights into the server first.
+Sync mode: one run killed after step 3 while the save of step 4 is in flight (held open by the
+RLJAX_TEST_SLOW_SAVE_S hook), resumed from the last complete checkpoint (3), killed again after step 5
+with a save complete and metrics past it, resumed again. Async mode (max_staleness=1): the buffered,
+already generated batch is restored from the checkpoint.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MODEL = str(REPO / "assets" / "tiny_arith")
+STEPS = 6
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory):
+    from vllm_server import TEST_SERVER_OPTIONS
+
+    from rljax.rollout import VLLMServer
+
+    server = VLLMServer(MODEL, tmp_path_factory.mktemp("vllm_resume"), options=TEST_SERVER_OPTIONS).spawn()
+    try:
+        server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
+        yield server.url
+    finally:
+        server.stop()
+
+
+def command(workdir, url, *overrides):
+    return [
+        sys.executable,
+        "-m",
+        "rljax.main",
+        "--config=configs/grpo.py",
+        f"--workdir={workdir}",
+        f"--config.model.path={MODEL}",
+        f"--config.rollout.vllm.urls=('{url}',)",
+        f"--config.trainer.steps={STEPS}",
+        "--config.trainer.eval_every=0",
+        "--config.rollout.batch_size=16",
+        "--config.rollout.group_size=4",
+        "--config.checkpoint.keep_last=10",
+        "--config.metrics.tensorboard=false",
+        "--config.metrics.console=false",
+        *overrides,
+    ]
+
+
+def env(**extra):
+    e = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+    e.pop("XLA_FLAGS", None)  # one CPU device, in every run alike
+    for k in ("RLJAX_TEST_SLOW_SAVE_S", "RLJAX_TEST_SLOW_SAVE_STEP"):
+        if k not in extra:
+            e.pop(k, None)
+    return e
+
+
+def run_to_end(workdir, url, *overrides) -> str:
+    proc = subprocess.run(
+        command(workdir, url, *overrides), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"rljax: finished {STEPS} steps" in proc.stdout
+    return proc.stdout
+
+
+def metrics_steps(workdir) -> list[int]:
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            steps.append(json.loads(line)["step"])
+        except (json.JSONDecodeError, KeyError):
+            pass  # a line being written
+    return steps
+
+
+def kill_when(workdir, url, ready, *overrides, **env_extra) -> tuple[list[int], str]:
+    """Starts a run, SIGKILLs it once `ready(workdir)` holds; returns (metrics steps written, its stdout)."""
+    log = pathlib.Path(f"{workdir}.{time.monotonic_ns()}.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            command(workdir, url, *overrides), cwd=REPO, env=env(**env_extra), stdout=out, stderr=out
+        )
+        deadline = time.monotonic() + 600
+        try:
+            while not ready(pathlib.Path(workdir)):
+                assert proc.poll() is None, f"run ended before the kill point: {log.read_text()[-4000:]}"
+                assert time.monotonic() < deadline, "kill point never reached"
+                time.sleep(0.02)
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(60)
+    assert proc.returncode == -signal.SIGKILL
+    return metrics_steps(workdir), log.read_text()
+
+
+def finished_steps(workdir: pathlib.Path) -> list[int]:
+    d = workdir / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
+def in_flight(workdir: pathlib.Path, step: int) -> bool:
+    d = workdir / "checkpoints"
+    return d.is_dir() and any(p.name.startswith(f"{step}.orbax-checkpoint-tmp") for p in d.iterdir())
+
+
+def state_of(workdir, step: int):
+    return ocp.StandardCheckpointer().restore(pathlib.Path(workdir, "checkpoints", str(step), "state"))
+
+
+def assert_bitwise_equal(got, want):
+    import jax
+
+    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got)
+    want_leaves, want_def = jax.tree_util.tree_flatten_with_path(want)
+    assert got_def == want_def
+    assert {jax.tree_util.keystr(p).split("]")[0] for p, _ in want_leaves} >= {"['params'", "['opt_state'"}
+    for (path, a), (_, b) in zip(got_leaves, want_leaves, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape, jax.tree_util.keystr(path)
+        same = np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
+        assert same, f"{jax.tree_util.keystr(path)}: max |diff| {np.abs(a - b).max()}"
+
+
+EVERY_STEP = "--config.checkpoint.every_steps=1"
+
+
+@pytest.fixture(scope="module")
+def straight_sync(server_url, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight_sync")
+    run_to_end(workdir, server_url, EVERY_STEP)
+    assert metrics_steps(workdir) == list(range(STEPS + 1))
+    return workdir
+
+
+def test_sync_killed_twice_resumes_bitwise(server_url, straight_sync, tmp_path):
+    workdir = tmp_path / "run"
+    # 1) SIGKILL while the save of step 4 is in flight (data written, not yet renamed into place).
+    written, _ = kill_when(
+        workdir,
+        server_url,
+        lambda w: in_flight(w, 4) and 4 in metrics_steps(w),
+        EVERY_STEP,
+        RLJAX_TEST_SLOW_SAVE_S="600",
+        RLJAX_TEST_SLOW_SAVE_STEP="4",
+    )
+    assert finished_steps(workdir) == [1, 2, 3], "the half-written step 4 must not be listed"
+    assert written[:5] == [0, 1, 2, 3, 4]  # metrics past the newest complete checkpoint exist
+    # 2) Resume from 3, the newest complete step; SIGKILL once step 5 is saved.
+    written, out = kill_when(workdir, server_url, lambda w: 5 in finished_steps(w), EVERY_STEP)
+    assert "rljax: resuming from checkpoint step 3 in" in out
+    assert not in_flight(workdir, 4), "the partial step 4 is cleaned up on resume"
+    assert written[:6] == [0, 1, 2, 3, 4, 5]
+    # 3) Resume from 5 to the end.
+    out = run_to_end(workdir, server_url, EVERY_STEP)
+    assert "rljax: resuming from checkpoint step 5 in" in out
+    assert metrics_steps(workdir) == list(range(STEPS + 1)), "one metrics line per step"
+    for step in range(1, STEPS + 1):  # 4 was redone after the kill; 6 is the end of the run
+        assert_bitwise_equal(state_of(workdir, step), state_of(straight_sync, step))
+
+
+def test_async_killed_resumes_bitwise_with_its_buffer(server_url, tmp_path):
+    """max_staleness=1: the checkpoint at 3 holds the batch for step 4 already generated by policy 3."""
+    async_mode = "--config.trainer.max_staleness=1"
+    straight = tmp_path / "straight"
+    run_to_end(straight, server_url, EVERY_STEP, async_mode)
+    workdir = tmp_path / "run"
+    written, _ = kill_when(
+        workdir, server_url, lambda w: 4 in metrics_steps(w), "--config.checkpoint.every_steps=3", async_mode
+    )
+    assert 3 in finished_steps(workdir) and 4 in written
+    buffered = json.loads((workdir / "checkpoints" / "3" / "extra" / "metadata").read_text())["buffer"]
+    # The checkpoint carries the batch for (0-based) step 3, generated by policy 2 and not yet trained on.
+    assert buffered["buffer"][0]["step"] == 3, buffered["next_step"]
+    versions = {t["policy_version"] for g in buffered["buffer"][0]["groups"] for t in g["trajectories"]}
+    assert versions == {2}
+    out = run_to_end(workdir, server_url, "--config.checkpoint.every_steps=3", async_mode)
+    assert "rljax: resuming from checkpoint step 3 in" in out
+    assert metrics_steps(workdir) == list(range(STEPS + 1)), "one metrics line per step"
+    assert_bitwise_equal(state_of(workdir, 3), state_of(straight, 3))
+    assert_bitwise_equal(state_of(workdir, STEPS), state_of(straight, STEPS))
