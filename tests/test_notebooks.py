@@ -18,8 +18,7 @@ from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
-# 01_grpo_quickstart and 02_logprob_parity (real vLLM) are not written yet; add them here when they are.
-NAMES = ["03_fused_logprobs", "04_algorithms"]
+NAMES = ["01_grpo_quickstart", "02_logprob_parity", "03_fused_logprobs", "04_algorithms"]
 VLLM_NOTEBOOKS = {"01_grpo_quickstart", "02_logprob_parity"}
 CELL_TIMEOUT_S = 240  # a hung cell (e.g. a vLLM server that never comes up) fails instead of blocking
 
