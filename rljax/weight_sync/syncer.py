@@ -7,8 +7,13 @@ One `WeightSyncer.sync(tensors, version, trainer_logprobs)` call:
    `prestage=True` (default) this finishes before the pause, so generation waits only for the engine;
    with `prestage=False` at most two buckets exist at once, staged while the engine loads the previous.
 2. under the gate's exclusive side (no generate batch in flight): `/pause?mode=wait` (clears the prefix
-   cache), `/start_weight_update`, one `/update_weights` per bucket, `/finish_weight_update` with the
-   version, `/resume`, on every replica in turn.
+   cache), `/start_weight_update`, `/update_weights` (one call for all pre-staged buckets, else one per
+   bucket), `/finish_weight_update` with the version, `/resume`, on every replica in turn.
+
+Transport (`SyncOptions.transport`): "shm", the worker maps the bucket files (trainer and server on one
+host, `staging_dir` in /dev/shm); "tcp", the trainer serves the same files from a `stream.BucketServer`
+on `tcp_host` (an address of the trainer that the servers can reach) and each worker fetches them over a
+socket (servers on other hosts); `tcp_timeout_s` bounds connect and every receive on both ends.
 3. the canary (`rljax.weight_sync.canary`) on every replica, then the gate's version becomes `version`.
 
 Any failure raises `WeightSyncError` (within the HTTP timeouts; a dead server fails at once). If the
@@ -31,6 +36,7 @@ import numpy as np
 import requests
 
 from rljax.weight_sync import canary as canary_lib
+from rljax.weight_sync import stream
 from rljax.weight_sync.gate import PolicyGate
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, Bucket, stage_buckets
 
@@ -50,6 +56,22 @@ class SyncOptions:
     update_timeout_s: float = 120.0  # one bucket
     clear_prefix_cache: bool = True  # False only to show that the canary catches a stale cache
     repack_tied_lm_head: bool = True  # False only to show that the canary catches vLLM's tied-head bug
+    transport: str = "shm"  # "shm" (same host) | "tcp" (bucket bytes streamed over a socket)
+    tcp_host: str = "127.0.0.1"  # tcp: the trainer address the servers connect to (bound by the trainer)
+    tcp_timeout_s: float = 30.0  # tcp: connect and per-receive timeout, both ends
+    direct_load: bool = True  # False: every layer through vLLM's layerwise reload (vLLM's own path)
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"weight sync: transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
+            )
+        for name in ("bucket_bytes", "control_timeout_s", "update_timeout_s", "tcp_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"weight sync: {name} must be > 0, got {getattr(self, name)!r}")
+
+
+TRANSPORTS = ("shm", "tcp")
 
 
 class WeightSyncer:
@@ -68,7 +90,8 @@ class WeightSyncer:
     ):
         self.urls, self.model, self.spec, self.canary = list(urls), model, spec, canary
         self.gate, self.options = gate, options
-        self._initialized: set[str] = set()
+        self._initialized: dict[str, dict] = {}
+        self.tcp_fault: tuple[str, int] | None = None  # tests only: see `stream.BucketServer.fault`
 
     def _post(
         self,
@@ -97,10 +120,13 @@ class WeightSyncer:
         self._initialized.clear()
 
     def _init(self, url: str) -> None:
-        if url not in self._initialized:
-            info = {"repack_tied_lm_head": self.options.repack_tied_lm_head}
+        info = {
+            "repack_tied_lm_head": self.options.repack_tied_lm_head,
+            "direct_load": self.options.direct_load,
+        }
+        if self._initialized.get(url) != info:
             self._post(url, "/init_weight_transfer_engine", {"init_info": info})
-            self._initialized.add(url)
+            self._initialized[url] = info
 
     def server_version(self, url: str) -> str | None:
         """The weight version a server reports (`/weight_info`)."""
@@ -188,9 +214,35 @@ class WeightSyncer:
 
     def _push(self, buckets: Iterable[Bucket], version: int) -> tuple[float, float, int]:
         """Pause, load every bucket into every server, finish, resume. Returns (pause s, engine s, bytes)."""
-        o, copy = self.options, not self.options.prestage
         for url in self.urls:
             self._init(url)
+        if self.options.transport != "tcp":
+            return self._push_via(buckets, version, None)
+        server = stream.BucketServer(self.options.tcp_host, timeout_s=self.options.tcp_timeout_s)
+        server.fault = self.tcp_fault
+        try:
+            return self._push_via(buckets, version, server)
+        finally:
+            server.close()
+
+    def _push_via(
+        self, buckets: Iterable[Bucket], version: int, server: stream.BucketServer | None
+    ) -> tuple[float, float, int]:
+        o = self.options
+        # Pipelined shm: the worker copies each bucket out so its file can go at once. Streamed buckets
+        # land in the worker's own buffers, and pre-staged files live until the sync ends.
+        copy = not o.prestage and server is None
+
+        def info(bucket: Bucket) -> dict:
+            d = bucket.update_info(copy=copy)
+            if server is not None:
+                server.add(bucket.index, bucket.path)
+                d["tcp"] = server.address(o.tcp_timeout_s)
+            return d
+
+        batches: Iterable[list[Bucket]] = (
+            [list(buckets)] if isinstance(buckets, list) else ([b] for b in _rejecting(buckets))
+        )
         t_pause = time.perf_counter()
         for url in self.urls:
             self._post(
@@ -201,21 +253,23 @@ class WeightSyncer:
         try:
             for url in self.urls:
                 self._post(url, "/start_weight_update")
-            for bucket in _rejecting(buckets):
+            for batch in batches:
+                if not batch:
+                    continue
                 t = time.perf_counter()
+                infos = [info(b) for b in batch]
+                body = {"update_info": infos[0] if len(infos) == 1 else {"buckets": infos}}
                 try:
                     for url in self.urls:
-                        self._post(
-                            url,
-                            "/update_weights",
-                            {"update_info": bucket.update_info(copy=copy)},
-                            timeout_s=o.update_timeout_s,
-                        )
+                        self._post(url, "/update_weights", body, timeout_s=o.update_timeout_s * len(batch))
                 finally:
-                    if copy:  # the worker copied it out (or failed): the file is not needed again
-                        bucket.unlink()
+                    if not o.prestage:  # loaded (or failed): the file is not needed again
+                        for b in batch:
+                            if server is not None:
+                                server.remove(b.index)
+                            b.unlink()
                 engine_s += time.perf_counter() - t
-                nbytes += bucket.nbytes
+                nbytes += sum(b.nbytes for b in batch)
             t = time.perf_counter()
             for url in self.urls:
                 self._post(

@@ -1,21 +1,32 @@
-"""rljax's "shm" weight-transfer engine, running inside each vLLM worker (imported lazily by the plugin).
+"""rljax's weight-transfer engine, running inside each vLLM worker (imported lazily by the plugin).
 
+Registered as backend "shm" and as "tcp" (the same class): the data path is chosen per update by
+its `update_info`, so one server takes both; a bucket is either a file to map (`path`, trainer and
+server on one host) or bytes to fetch over a socket from the trainer (`tcp`, `rljax.weight_sync.stream`).
 Per update (driven by vLLM's `/start_weight_update`, `/update_weights`, `/finish_weight_update`):
 
-- start: `initialize_layerwise_reload(model)`, the path vLLM's own IPC engine takes. It moves layer
-  parameters to the meta device, so the server must be paused first (a forward pass before finish
-  kills the engine).
-- each bucket: the entries are checked against the served checkpoint's names and shapes (an unknown
-  name, a wrong shape or a tensor pushed twice is rejected, naming it, before anything of that bucket
-  loads; so are crc32 mismatches when checksums are on), then `model.load_weights` on tensors viewing
-  the mapped file. `torch.frombuffer` keeps no hold on the mapping, so mappings stay open until finish
-  (layerwise reload buffers tensors until a layer is complete), unless the bucket asks for `copy`.
+- start: layers whose served tensors are already in checkpoint format (embeddings, lm_heads, norms:
+  no quant method, or the unquantized embedding method, same shapes as at load) stay live and are
+  loaded straight into the served storage (one copy, no re-allocation, no repacking of the input
+  embedding, whose CPU GEMM handle is never used); every other layer (the CPU build's repacked linear
+  layers, attention) goes through vLLM's layerwise reload (`initialize_layerwise_reload`'s per-layer
+  steps), the path vLLM's own IPC engine and `reload_weights` take. Those layers' parameters move to
+  the meta device, so the server must be paused first (a forward pass before finish kills the engine).
+  `init_info={"direct_load": false}` sends every layer through layerwise reload (vLLM's own path).
+- each `/update_weights`: one bucket (`path`/`tcp` + `tensors`) or several (`buckets`: a list of such
+  dicts, one HTTP round trip for a pre-staged sync). Entries are checked against the served checkpoint's
+  names and shapes (an unknown name, a wrong shape or a tensor pushed twice is rejected, naming it,
+  before anything of that bucket loads; so are crc32 mismatches when checksums are on), then
+  `model.load_weights` on tensors viewing the mapped file or the received buffer. `torch.frombuffer`
+  keeps no hold on the mapping, so mappings and buffers stay alive until finish (layerwise reload
+  buffers tensors until a layer is complete), unless the bucket asks for `copy`.
 - finish: every checkpoint tensor must have arrived (else rejected, naming the first missing one);
-  `finalize_layerwise_reload` redoes the backend's processing (the CPU build's GEMM repacking), then
-  the tied-lm_head fix: vLLM's CPU build keeps the lm_head's old packed copy after any in-place reload
-  when embeddings are tied (PLATFORM.md), so for tied models `dispatch_cpu_unquantized_gemm` re-runs on every
-  `ParallelLMHead` that has `cpu_linear`. `init_info={"repack_tied_lm_head": false}` turns the fix off
-  (only to show that the canary catches the bug).
+  `finalize_layerwise_reload` redoes the backend's processing (the CPU build's GEMM repacking) for the
+  layerwise layers; then every `ParallelLMHead` with a `cpu_linear` is repacked
+  (`dispatch_cpu_unquantized_gemm`): the head loaded live, and vLLM's CPU build keeps the lm_head's old
+  packed copy after any in-place reload when embeddings are tied (PLATFORM.md).
+  `init_info={"repack_tied_lm_head": false}` skips that for tied heads (only to show that the canary
+  catches the bug).
 - on a rejected bucket the update is finalized at once (layers not yet pushed keep their old weights,
   so no parameter stays on the meta device) and the error propagates to the HTTP caller.
 """
@@ -28,6 +39,7 @@ import os
 import time
 import zlib
 
+import numpy as np
 import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -36,7 +48,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from rljax.weight_sync import wire
+from rljax.weight_sync import stream, wire
 
 logger = init_logger("vllm.rljax_shm")  # under "vllm": vLLM configures only that logger tree
 
@@ -47,18 +59,21 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 class ShmInitInfo(WeightTransferInitInfo):
     repack_tied_lm_head: bool = True
     validate: bool = True  # check names/shapes against the served checkpoint
+    direct_load: bool = True  # load checkpoint-format layers straight into the served storage
 
 
 @dataclasses.dataclass
 class ShmUpdateInfo(WeightTransferUpdateInfo):
-    path: str
-    tensors: list
+    path: str = ""
+    tensors: list = dataclasses.field(default_factory=list)
     bucket: int = 0
     copy: bool = False
+    tcp: dict | None = None  # {"host", "port", "token", "timeout_s"}: fetch the bytes from the trainer
+    buckets: list = dataclasses.field(default_factory=list)  # several buckets in one call
 
 
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
-    """Loads bucket files written by `rljax.weight_sync.staging` into the served model."""
+    """Loads buckets written by `rljax.weight_sync.staging` (mapped or streamed) into the served model."""
 
     init_info_cls = ShmInitInfo
     update_info_cls = ShmUpdateInfo
@@ -67,9 +82,10 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.options = ShmInitInfo()
-        self._maps: list[mmap.mmap] = []
+        self._keep: list = []  # mappings and receive buffers that loaded tensors view
         self._seen: set[str] = set()
         self._active = False
+        self._direct: bool = False
         self._spec: dict | None = None
         self._timing: dict = {}
         self._tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
@@ -84,15 +100,22 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         return self._spec
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         self._seen, self._active = set(), True
-        self._timing = {"map": 0.0, "load": 0.0, "finalize": 0.0, "buckets": 0, "bytes": 0}
-        initialize_layerwise_reload(self.model)
+        self._timing = {"map": 0.0, "recv": 0.0, "load": 0.0, "finalize": 0.0, "buckets": 0, "bytes": 0}
+        self._direct = bool(self.options.direct_load)
+        t0 = time.perf_counter()
+        start_reload(self.model, direct=self._direct)
+        self._timing["start"] = time.perf_counter() - t0
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         try:
-            self._receive(update_info)
+            if update_info.buckets:
+                for b in update_info.buckets:
+                    if not isinstance(b, dict):
+                        raise ValueError("weight sync: update_info.buckets must be a list of objects")
+                    self._receive(self.parse_update_info(b))
+            else:
+                self._receive(update_info)
         except BaseException:
             self._abort()
             raise
@@ -100,19 +123,19 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def _receive(self, info: ShmUpdateInfo) -> None:
         t0 = time.perf_counter()
         entries = [wire.TensorEntry.from_wire(t) for t in info.tensors]
-        with open(info.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if self.options.validate:
-                wire.check_entries(entries, self.spec(), self._seen, size)
-            # MAP_POPULATE: fault the whole bucket in at once here, not page by page inside vLLM's copies.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapping = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ) if size else None
-        weights = [(e.name, self._tensor(mapping, e, info.copy)) for e in entries]
-        if mapping is not None:
-            if info.copy:
-                mapping.close()
-            else:
-                self._maps.append(mapping)  # torch.frombuffer holds no reference: keep alive until finish
+        if info.tcp is not None:
+            buf, size = self._fetch(info)
+            t0 = time.perf_counter()  # the receive is counted on its own (recv_s)
+        else:
+            buf, size = self._map(info.path)
+        if self.options.validate:
+            wire.check_entries(entries, self.spec(), self._seen, size)
+        weights = [(e.name, self._tensor(buf, e, info.copy)) for e in entries]
+        if buf is not None:
+            if info.copy and isinstance(buf, mmap.mmap):
+                buf.close()
+            elif not info.copy:
+                self._keep.append(buf)  # torch.frombuffer holds no reference: keep alive until finish
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         t1 = time.perf_counter()
@@ -123,16 +146,32 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         t["buckets"], t["bytes"] = t["buckets"] + 1, t["bytes"] + sum(e.nbytes for e in entries)
 
     @staticmethod
-    def _tensor(mapping: mmap.mmap, e: wire.TensorEntry, copy: bool) -> torch.Tensor:
-        view = memoryview(mapping)[e.offset : e.offset + e.nbytes]
+    def _map(path: str) -> tuple[mmap.mmap | None, int]:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            # MAP_POPULATE: fault the whole bucket in at once here, not page by page inside vLLM's copies.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            return (mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ) if size else None), size
+
+    def _fetch(self, info: ShmUpdateInfo) -> tuple[np.ndarray, int]:
+        t0 = time.perf_counter()
+        client = stream.BucketClient(info.tcp)
+        try:
+            buf, size = client.fetch(info.bucket, lambda n: np.empty(n, np.uint8))
+        finally:
+            client.close()
+        self._timing["recv"] += time.perf_counter() - t0
+        return buf, size
+
+    @staticmethod
+    def _tensor(buf, e: wire.TensorEntry, copy: bool) -> torch.Tensor:
+        if not e.nbytes:
+            return torch.empty(e.shape, dtype=_TORCH_DTYPES[e.dtype])
+        view = memoryview(buf).cast("B")[e.offset : e.offset + e.nbytes]
         if e.crc32 is not None and zlib.crc32(view) != e.crc32:
             raise ValueError(f"weight sync: checksum mismatch for tensor {e.name!r} (bucket bytes corrupted)")
         # A read-only mapping: torch warns that the tensor is not writable; load_weights only reads it.
-        t = (
-            torch.frombuffer(view, dtype=_TORCH_DTYPES[e.dtype]).view(e.shape)
-            if e.nbytes
-            else (torch.empty(e.shape, dtype=_TORCH_DTYPES[e.dtype]))
-        )
+        t = torch.frombuffer(view, dtype=_TORCH_DTYPES[e.dtype]).view(e.shape)
         return t.clone() if copy else t
 
     def finish_weight_update(self) -> None:
@@ -157,7 +196,10 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         t0 = time.perf_counter()
         try:
             finalize_layerwise_reload(self.model, self.model_config)
-            if self._tied and self.options.repack_tied_lm_head:  # untied heads are processed like any layer
+            if self._tied:  # the tied head shares the embedding's weight but keeps its own packed copy
+                if self.options.repack_tied_lm_head:
+                    repack_lm_heads(self.model)
+            elif self._direct:  # the untied head was loaded live: pack the new weights
                 repack_lm_heads(self.model)
         finally:
             self._active = False
@@ -166,24 +208,87 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             t["finalize"] = time.perf_counter() - t0
             # One line per update; benchmarks/bench_weight_sync.py parses it from the server log.
             logger.info(
-                "rljax-shm update: buckets=%d bytes=%d map_s=%.4f load_s=%.4f finalize_s=%.4f",
+                "rljax-shm update: buckets=%d bytes=%d start_s=%.4f map_s=%.4f recv_s=%.4f load_s=%.4f "
+                "finalize_s=%.4f direct=%d",
                 t["buckets"],
                 t["bytes"],
+                t.get("start", 0.0),
                 t["map"],
+                t["recv"],
                 t["load"],
                 t["finalize"],
+                int(self._direct),
             )
 
     def _release(self) -> None:
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:  # a tensor still views it: leave it to the garbage collector
-                pass
-        self._maps = []
+        for m in self._keep:
+            if isinstance(m, mmap.mmap):
+                try:
+                    m.close()
+                except BufferError:  # a tensor still views it: leave it to the garbage collector
+                    pass
+        self._keep = []
 
     def shutdown(self) -> None:
         self._release()
+
+
+def direct_modules(model: torch.nn.Module) -> set[torch.nn.Module]:
+    """Modules whose served tensors are in checkpoint format, so loading can write into them in place:
+    with parameters, no buffers, no quant method other than the unquantized embedding one, not
+    attention, and every parameter with the shape and dtype it had when the model was loaded."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+    out = set()
+    for m in model.modules():
+        params, buffers = get_layer_params_buffers(m)
+        if not params or buffers or is_deferred_attention_layer(m):
+            continue
+        qm = getattr(m, "quant_method", None)
+        if qm is not None and not isinstance(qm, UnquantizedEmbeddingMethod):
+            continue
+        meta, _ = get_layerwise_info(m).restore_metadata
+        named = {k: v for k, v in params.items() if k not in SKIP_TENSORS}
+        if (
+            named
+            and set(named) == set(meta)
+            and all(
+                tuple(p.shape) == tuple(meta[k].shape) and p.dtype == meta[k].dtype and not p.is_meta
+                for k, p in named.items()
+            )
+        ):
+            out.add(m)
+    return out
+
+
+@torch.no_grad()
+def start_reload(model: torch.nn.Module, *, direct: bool) -> None:
+    """vLLM's `initialize_layerwise_reload`, step for step, for every module but `direct_modules(model)`
+    (all of them when `direct` is False), which stay live and take the new weights in place."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        get_layerwise_info,
+        initialize_online_processing,
+        restore_layer_on_meta,
+    )
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+    keep = direct_modules(model) if direct else set()
+    model._original_do_torchao_reload = getattr(model, "_do_torchao_reload", False)
+    model._do_torchao_reload = False
+    for layer in model.modules():
+        if layer in keep:
+            continue
+        info = get_layerwise_info(layer)
+        if info.can_load():
+            continue
+        info.kernel_tensors = get_layer_params_buffers(layer)
+        info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+        restore_layer_on_meta(layer, info)
+        initialize_online_processing(layer)
 
 
 def repack_lm_heads(model: torch.nn.Module) -> int:
