@@ -81,7 +81,7 @@ class VLLMConfig:
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 120.0
     max_retries: int = 2
-    max_restarts: int = 3
+    max_restarts: int = 3  # restarts of a dead/hung server (re-sync, resubmit) before the run stops
     extra_args: tuple = ()
 
 
@@ -377,6 +377,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("rollout.top_k", f"must be >= 0 (0 disables), got {ro.top_k}")
     if tr.max_staleness < 0:
         raise ConfigError("trainer.max_staleness", f"must be >= 0, got {tr.max_staleness}")
+    for key in ("max_retries", "max_restarts"):
+        if getattr(ro.vllm, key) < 0:
+            raise ConfigError(f"rollout.vllm.{key}", f"must be >= 0, got {getattr(ro.vllm, key)}")
+    if not ro.vllm.request_timeout_s > 0:
+        raise ConfigError("rollout.vllm.request_timeout_s", f"must be > 0, got {ro.vllm.request_timeout_s}")
     if ro.batch_size % tr.minibatches:
         raise ConfigError(
             "trainer.minibatches", f"{tr.minibatches} does not divide rollout.batch_size={ro.batch_size}"

@@ -40,7 +40,9 @@ def initialize_jax() -> None:
     devices per process; the local launcher sets RLJAX_COORDINATOR, RLJAX_NUM_PROCESSES, RLJAX_PROCESS_ID.
     Under an srun step with more than one task, `jax.distributed.initialize()` reads the Slurm environment
     (RLJAX_COORDINATOR, when set by launch/gpu_slurm.sh, overrides its coordinator address). Every process
-    prints `rljax: process i of n, k local devices`.
+    prints `rljax: process i of n, k local devices`. In a multi-process job every process then runs a
+    peer watchdog (`rljax.loop.distributed.PeerWatchdog`): when a peer dies, the others exit within
+    RLJAX_PEER_TIMEOUT_S (default 30) seconds, naming it, instead of hanging in a collective.
     """
     _set_cpu_device_count()
     import jax
@@ -58,11 +60,27 @@ def initialize_jax() -> None:
         )
     elif _slurm_step_tasks() > 1:
         jax.distributed.initialize(coordinator_address=coordinator, local_device_ids=_local_device_ids())
+    start_peer_watchdog()
     print(
         f"rljax: process {jax.process_index()} of {jax.process_count()}, "
         f"{jax.local_device_count()} local devices",
         flush=True,
     )
+
+
+def start_peer_watchdog() -> None:
+    """The dead-peer watchdog of a multi-process job (no-op in one process); RLJAX_PEER_TIMEOUT_S sets its
+    timeout (seconds without a peer's heartbeat before this process exits)."""
+    from rljax.loop.distributed import start_peer_watchdog as start
+
+    raw = os.environ.get("RLJAX_PEER_TIMEOUT_S", "30")
+    try:
+        timeout_s = float(raw)
+    except ValueError:
+        timeout_s = -1.0
+    if not timeout_s > 0:
+        fail(f"RLJAX_PEER_TIMEOUT_S must be a positive number of seconds, got {raw!r}")
+    start(interval_s=min(1.0, timeout_s / 4), timeout_s=timeout_s)
 
 
 def _slurm_step_tasks() -> int:

@@ -1,9 +1,14 @@
-"""Control flow of rljax.loop.recovery.call_with_recovery (pure: no server)."""
+"""Control flow of rljax.loop.recovery (call_with_recovery, FaultPlan) and LoopEngine's recovery lock (pure:
+no server; the real faults are in tests/test_faults_loop.py)."""
+
+import threading
 
 import pytest
 
-from rljax.loop.recovery import RecoveryExhaustedError, call_with_recovery
+from rljax.loop.engine import LoopEngine
+from rljax.loop.recovery import FaultPlan, RecoveryExhaustedError, call_with_recovery
 from rljax.rollout.client import RolloutError
+from rljax.rollout.server import ServerError
 from rljax.weight_sync.syncer import WeightSyncError
 
 
@@ -46,3 +51,86 @@ def test_failed_restart_counts_and_other_errors_propagate():
     op, _ = _flaky([ValueError("bug")], "ok")
     with pytest.raises(ValueError, match="bug"):
         call_with_recovery(op, lambda: None, max_restarts=5, what="rollout")
+
+
+def test_skipped_recovery_is_not_a_restart_and_failed_restarts_are_counted():
+    op, calls = _flaky([RolloutError("dead")], "ok")
+    stats = {}
+    assert call_with_recovery(op, lambda: False, max_restarts=1, what="rollout", stats=stats) == "ok"
+    assert len(calls) == 2 and stats.get("recovery/restarts", 0.0) == 0.0
+    outcomes = [ServerError("start-up failed"), None]
+
+    def recover():
+        if outcomes.pop(0) is not None:
+            raise ServerError("start-up failed")
+
+    op, calls = _flaky([RolloutError("dead")], "ok")
+    stats = {}
+    assert call_with_recovery(op, recover, max_restarts=3, what="rollout", stats=stats) == "ok"
+    assert stats["recovery/restarts"] == 2.0 and stats["recovery/failed_restarts"] == 1.0
+
+
+def test_fault_plan_parses_counts_calls_and_postpones():
+    spec = "kill_server_mid_generate:2, kill_server_mid_sync:1,kill_server_mid_generate:4"
+    plan = FaultPlan.from_env({"RLJAX_FAULTS": spec})
+    assert plan.next_call("generate") == set()
+    assert plan.next_call("generate") == {"kill_server_mid_generate"}
+    assert plan.next_call("sync") == {"kill_server_mid_sync"}
+    plan.postpone("kill_server_mid_generate")
+    assert plan.next_call("generate") == {"kill_server_mid_generate"}
+    assert plan.next_call("generate") == {"kill_server_mid_generate"} and plan.next_call("generate") == set()
+    assert FaultPlan.from_env({}).next_call("generate") == set()
+    for bad in ("kill_server:1", "kill_server_mid_sync", "kill_server_mid_sync:0"):
+        with pytest.raises(ValueError, match="RLJAX_FAULTS"):
+            FaultPlan.from_env({"RLJAX_FAULTS": bad})
+
+
+class _FakeServer:
+    def __init__(self):
+        self.alive, self.restarts = False, 0
+
+    def healthy(self):
+        return self.alive
+
+    def restart(self):
+        self.restarts += 1
+        self.alive = True
+
+
+class _FakeEngine:
+    """Two generate calls in flight together on a dead server (both fail), then it serves."""
+
+    def __init__(self):
+        self.servers = [_FakeServer()]
+        self.syncer = type("Syncer", (), {"reset": lambda self: None})()
+        self.both_in_flight = threading.Barrier(2, timeout=10)
+
+    def generate(self, prompts, **sampling):
+        if not self.servers[0].alive:
+            self.both_in_flight.wait()
+            raise RolloutError("connection refused")
+        return [f"completion of {p}" for p in prompts]
+
+
+def test_loop_engine_one_recovery_for_concurrent_failures_and_resubmits_both():
+    engine = _FakeEngine()
+    loop = LoopEngine(engine, None, None, max_restarts=1)
+    results, errors = {}, []
+
+    def call(name):
+        try:
+            results[name] = loop.generate([name, name + "2"], n=1)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert results == {n: [f"completion of {n}", f"completion of {n}2"] for n in ("a", "b")}
+    assert engine.servers[0].restarts == 1  # the second failure saw the first one's recovery: no restart
+    stats = loop._drain_stats()
+    assert stats["recovery/restarts"] == 1.0 and stats["recovery/resubmitted"] == 4.0
+    assert loop._drain_stats()["recovery/restarts"] == 0.0  # drained per step

@@ -66,3 +66,95 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+PEER_LOST_EXIT_CODE = 3  # a peer process died or the coordinator went away: restart the whole job
+
+
+class PeerWatchdog:
+    """A daemon thread on every process of a multi-process job: ends this process promptly when a peer dies.
+
+    JAX's own failure detection takes minutes (heartbeat timeout, then a shutdown barrier) and a survivor
+    blocked in a collective waits that long. Each process bumps a counter under `rljax/alive/<i>` in the
+    jax.distributed key-value store every `interval_s`; when a peer's counter has not moved for
+    `timeout_s` (it died or hangs), or the store (hosted by process 0) cannot be reached for `timeout_s`,
+    the watchdog prints which process was lost and calls `os._exit(PEER_LOST_EXIT_CODE)`: the job has
+    to be restarted as a whole, and resumes from its latest checkpoint.
+    """
+
+    def __init__(self, client, process_id: int, num_processes: int, *, interval_s: float, timeout_s: float):
+        import threading
+
+        self._client, self._me, self._n = client, process_id, num_processes
+        self._interval, self._timeout = interval_s, timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rljax-peer-watchdog", daemon=True)
+
+    def start(self) -> PeerWatchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        import time
+
+        now = time.monotonic()
+        seen = {p: (None, now) for p in range(self._n) if p != self._me}  # peer -> (last value, when)
+        reached, beat = now, 0
+        while not self._stop.wait(self._interval):
+            now = time.monotonic()
+            try:
+                beat += 1
+                self._client.key_value_set(f"rljax/alive/{self._me}", str(beat), allow_overwrite=True)
+                values = {p: _try_get(self._client, f"rljax/alive/{p}") for p in seen}
+                reached = now
+            except Exception as e:  # noqa: BLE001 (the store itself is gone: the coordinator died)
+                if now - reached > self._timeout:
+                    self._exit(f"lost the JAX coordinator (process 0) for {now - reached:.0f} s ({e})")
+                continue
+            for p, value in values.items():
+                if value is not None and value != seen[p][0]:
+                    seen[p] = (value, now)
+                elif now - seen[p][1] > self._timeout:
+                    self._exit(f"process {p} of {self._n} sent no heartbeat for {now - seen[p][1]:.0f} s")
+
+    def _exit(self, why: str) -> None:
+        import os
+        import sys
+
+        if self._stop.is_set():
+            return
+        print(
+            f"rljax: process {self._me}: {why}; a dead process ends the whole multi-process job: "
+            f"exiting ({PEER_LOST_EXIT_CODE}) so it can be restarted and resume from its latest checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(PEER_LOST_EXIT_CODE)
+
+
+def _try_get(client, key: str) -> str | None:
+    """The value under `key`, or None if no value was set yet (other errors propagate)."""
+    try:
+        return client.key_value_try_get(key)
+    except Exception as e:
+        if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
+            return None
+        raise
+
+
+def start_peer_watchdog(interval_s: float = 1.0, timeout_s: float = 30.0) -> PeerWatchdog | None:
+    """Starts the `PeerWatchdog` in a multi-process job (after `jax.distributed.initialize`); else None."""
+    if jax.process_count() == 1:
+        return None
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        return None
+    watchdog = PeerWatchdog(
+        client, jax.process_index(), jax.process_count(), interval_s=interval_s, timeout_s=timeout_s
+    )
+    return watchdog.start()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +21,17 @@ import numpy as np
 from rljax import kernels, models, trainer
 from rljax.config import Config
 from rljax.loop.distributed import host_params, is_leader, to_host
+from rljax.loop.recovery import FaultPlan, call_with_recovery, kill_halfway, kill_when_running
 from rljax.loop.trajectory import Trajectory, build_loss_inputs
 from rljax.rollout import ClientOptions, ServerOptions, VLLMEngine
 from rljax.weight_sync import SyncOptions
+
+RECOVERY_METRICS = (
+    "recovery/restarts",
+    "recovery/failed_restarts",
+    "recovery/resubmitted",
+    "recovery/seconds",
+)
 
 
 def make_canary_logprobs(cfg: Config, model_config, mesh, data_parallel: int) -> Callable:
@@ -57,31 +67,129 @@ class LoopEngine:
 
     `push_weights(params, version)` must be called by every process: the canary's trainer log-probs and
     the host copy of the weights are collectives; only the leader (which holds the engine) pushes.
+
+    Faults: `generate` and `push_weights` run under `call_with_recovery`. A dead or hung server (a
+    `RolloutError`/`WeightSyncError`/`ServerError`) is restarted and re-synced to the current weights and
+    version, from the host copy of the last pushed weights the leader keeps (no collectives, so the leader
+    can recover alone, from any thread), and the call is resubmitted; after `rollout.vllm.max_restarts`
+    restarts in a row the call raises `RecoveryExhaustedError`. One recovery runs at a time (a lock shared
+    by the loop and the async producer's thread); a caller whose failure predates a recovery that already
+    happened just retries. `push_weights` returns the recovery/* counts since the previous push.
     """
 
-    def __init__(self, engine: VLLMEngine | None, model_config, canary_logprobs: Callable):
+    def __init__(
+        self,
+        engine: VLLMEngine | None,
+        model_config,
+        canary_logprobs: Callable,
+        *,
+        max_restarts: int = 0,
+        faults: FaultPlan | None = None,
+    ):
         self._engine, self._model_config, self._canary = engine, model_config, canary_logprobs
+        self._max_restarts, self._faults = max_restarts, faults or FaultPlan()
+        self._lock = threading.RLock()  # one recovery (or push) at a time
+        self._epoch = 0  # recoveries done; a failure seen before the latest one needs no new restart
+        self._current: tuple[Any, int] | None = None  # (host copy of the last pushed params, version)
+        self._stats: dict[str, float] = dict.fromkeys(RECOVERY_METRICS, 0.0)
+        self._stats_lock = threading.Lock()
 
     def generate(self, prompts, **sampling):
-        return self._engine.generate(prompts, **sampling)
+        faults = self._faults.next_call("generate")
+        attempt = {"n": 0, "epoch": self._epoch}
 
-    def _verified_push(self, push: Callable, params, version: int) -> dict:
+        def op():
+            attempt["n"], attempt["epoch"] = attempt["n"] + 1, self._epoch
+            if attempt["n"] > 1:
+                self._count({"recovery/resubmitted": float(len(prompts))})
+            if "kill_server_mid_generate" not in faults or attempt["n"] > 1:
+                return self._engine.generate(prompts, **sampling)
+            done = threading.Event()
+            killer = kill_when_running(self._engine.servers, done)
+            try:
+                return self._engine.generate(prompts, **sampling)
+            finally:
+                done.set()
+                killer["thread"].join()
+                if not killer["killed"]:
+                    self._faults.postpone("kill_server_mid_generate")
+
+        return self._with_recovery(op, lambda: self._recover_current(attempt["epoch"]), "generate")
+
+    def _with_recovery(self, op: Callable, recover: Callable, what: str):
+        stats: dict[str, float] = {}
+        try:
+            return call_with_recovery(op, recover, self._max_restarts, f"rollout {what}", stats=stats)
+        finally:
+            self._count(stats)
+
+    def _count(self, stats: dict) -> None:
+        with self._stats_lock:
+            for k, v in stats.items():
+                self._stats[k] = self._stats.get(k, 0.0) + v
+
+    def _drain_stats(self) -> dict:
+        with self._stats_lock:
+            out, self._stats = self._stats, dict.fromkeys(RECOVERY_METRICS, 0.0)
+        return out
+
+    def _recover_current(self, seen_epoch: int) -> bool:
+        """Restart + re-push of the last pushed weights and version (False: someone else recovered)."""
+        with self._lock:
+            if self._epoch != seen_epoch:
+                return False
+            if self._current is None:  # nothing pushed yet: a restarted server loads the same checkpoint
+                for server in self._engine.servers:
+                    if not server.healthy():
+                        server.restart()
+                self._engine.syncer.reset()
+            else:
+                host, version = self._current
+                local = jax.device_put(host, jax.local_devices()[0])
+                self._engine.recover(
+                    models.iter_hf_tensors(self._model_config, local),
+                    version,
+                    trainer_logprobs=functools.partial(local_logprobs, self._model_config, local),
+                )
+            self._epoch += 1
+            return True
+
+    def _trainer_logprobs(self, params, host) -> Callable:
+        if jax.process_count() == 1:
+            return self._canary(params)
+        # the leader alone scores canary tokens, on one local device, from the gathered weights
+        return functools.partial(local_logprobs, self._model_config, host)
+
+    def push_weights(self, params, version: int) -> dict:
         host = host_params(params)  # a collective in multi-process runs: every process calls this
         if self._engine is None:
             return {}
-        if jax.process_count() == 1:
-            trainer_logprobs = self._canary(params)
-        else:  # the leader alone scores canary tokens, on one local device, from the gathered weights
-            trainer_logprobs = functools.partial(local_logprobs, self._model_config, host)
-        return push(
-            models.iter_hf_tensors(self._model_config, host), version, trainer_logprobs=trainer_logprobs
-        )
+        faults = self._faults.next_call("sync")
+        logprobs = self._trainer_logprobs(params, host)
+        with self._lock:
+            pushed: dict[str, dict] = {}
+            first = [True]
 
-    def push_weights(self, params, version: int) -> dict:
-        return self._verified_push(self._engine.push_weights if self._engine else None, params, version)
+            def tensors():
+                out = models.iter_hf_tensors(self._model_config, host)
+                if "kill_server_mid_sync" in faults and first[0]:
+                    out = kill_halfway(list(out), self._engine.servers)
+                first[0] = False
+                return out
 
-    def recover(self, params, version: int) -> dict:
-        return self._verified_push(self._engine.recover if self._engine else None, params, version)
+            def op():
+                if "metrics" in pushed:  # the recovery pushed this version already
+                    return pushed["metrics"]
+                return self._engine.push_weights(tensors(), version, trainer_logprobs=logprobs)
+
+            def recover():
+                pushed["metrics"] = self._engine.recover(tensors(), version, trainer_logprobs=logprobs)
+                self._epoch += 1
+
+            metrics = self._with_recovery(op, recover, "weight sync")
+            if self._max_restarts > 0:  # the host copy a later recovery re-pushes (params get donated)
+                self._current = (host if jax.process_count() > 1 else jax.tree.map(np.array, params), version)
+        return metrics | self._drain_stats()
 
     def metrics(self) -> dict:
         return self._engine.metrics() if self._engine is not None else {}
@@ -121,4 +229,4 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
             client_options=client,
             sync_options=sync,
         )
-    return LoopEngine(engine, model_config, canary)
+    return LoopEngine(engine, model_config, canary, max_restarts=vc.max_restarts, faults=FaultPlan.from_env())
