@@ -13,6 +13,7 @@ import numpy as np
 
 from rljax.envs import ENVS
 from rljax.loop.trajectory import Trajectory, build_loss_inputs
+from rljax.metrics import combine_metrics
 
 
 @dataclasses.dataclass
@@ -81,12 +82,12 @@ def select_groups(run, step: int) -> tuple[list[Group], dict]:
     """Sync mode: prompts for `step`, sampled, scored, and (with dynamic sampling) filtered and refilled."""
     cfg = run.cfg
     need = cfg.rollout.batch_size // cfg.rollout.group_size
-    kept, dropped, metrics, rounds = [], [], {}, 0
+    kept, dropped, round_metrics, rounds = [], [], [], 0
     seed = cfg.trainer.seed * 1_000_003 + step * 101
     generate = ENVS.get(cfg.rollout.env).generate_groups if cfg.rollout.env else generate_groups
     while len(kept) < need:
         groups, metrics_round = generate(run, run.prompts.next_examples(need - len(kept)), seed + rounds)
-        metrics = metrics_round if not metrics else _add_counts(metrics, metrics_round)
+        round_metrics.append(metrics_round)
         if not cfg.algo.dynamic_sampling:
             kept += groups
             break
@@ -96,18 +97,10 @@ def select_groups(run, step: int) -> tuple[list[Group], dict]:
         if rounds > cfg.algo.max_refill_rounds:
             break
     kept += dropped[: need - len(kept)]
+    metrics = combine_metrics(round_metrics)  # by the schema's reductions: counts add up, rates average
     metrics["rollout/refill_rounds"] = float(max(rounds - 1, 0))
     metrics["reward/frac_zero_std_groups_dropped"] = len(dropped) / max(len(dropped) + len(kept), 1)
     return kept[:need], metrics
-
-
-def _add_counts(a: dict, b: dict) -> dict:
-    return {
-        k: a.get(k, 0.0) + b.get(k, 0.0)
-        if "timeouts" in k or "errors" in k or "tokens" in k
-        else b.get(k, a.get(k))
-        for k in set(a) | set(b)
-    }
 
 
 def collect(run, step: int) -> tuple[list[Group], dict]:
