@@ -22,10 +22,12 @@ from pathlib import Path
 import torch
 import transformers
 
+from rljax.config import Config
 from rljax.data import make_source
 from rljax.models.tiny import build_tokenizer, tiny_hf_config
 
-TASK = {"num_examples": 4000, "seed": 0, "max_value": 12, "ops": ("+", "*")}
+# The default job's task, read from the config defaults so that the model and the job never disagree.
+TASK = dict(Config().data.source_options) | {"seed": Config().data.seed}
 
 
 def teacher_target(answer: str, rng: random.Random, p_correct: float) -> str:
