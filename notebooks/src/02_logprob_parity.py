@@ -40,7 +40,7 @@ from rljax.loop.trajectory import Trajectory, build_loss_inputs
 from rljax.models.tiny import build_tiny_checkpoint
 from rljax.rollout import RolloutError, ServerOptions, VLLMEngine, VLLMServer
 from rljax.sharding import make_mesh
-from rljax.weight_sync import WeightSyncError
+from rljax.weight_sync import WeightSyncError, make_canary
 
 transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars in the outputs
 WORKDIR = pathlib.Path(os.environ.get("RLJAX_NOTEBOOK_WORKDIR") or tempfile.mkdtemp(prefix="rljax_02_"))
@@ -124,19 +124,23 @@ load_into_torch(hf_state)
 # by `trainer_logprobs` (here rljax's fused `token_logprobs` path on the new params) must agree within
 # `SyncOptions.canary_tolerance` (1e-4 here; the training loop's `rollout.weight_sync.canary_tolerance` is
 # 1e-3), or the push raises `WeightSyncError` and generation is refused. The first push also opens the
-# shared-memory transport and compiles the canary's JAX function, so it takes longer than later ones.
+# shared-memory transport and is the fresh server's first request (its warm-up): later pushes are faster.
+
 
 # %%
+def rljax_canary(prompt_ids, completion_ids):
+    return local_logprobs(model_config, params, prompt_ids, completion_ids)
+
+
+canary = make_canary(
+    model_config.vocab_size
+)  # the sync's fixed tokens: compile the JAX side while vLLM starts
+rljax_canary(canary.prompt_ids, canary.completion_ids)
 t0 = time.perf_counter()
 server.wait_healthy(300)
 engine = VLLMEngine([server.url], ckpt, servers=[server])
 atexit.register(engine.close)
 print(f"vLLM up at {server.url} ({time.perf_counter() - t0:.1f} s more after the cells above)")
-
-
-def rljax_canary(prompt_ids, completion_ids):
-    return local_logprobs(model_config, params, prompt_ids, completion_ids)
-
 
 sync = engine.push_weights(models.iter_hf_tensors(model_config, params), 1, trainer_logprobs=rljax_canary)
 print(
