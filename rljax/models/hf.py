@@ -171,7 +171,8 @@ def load_hf_checkpoint(
     dtype: param dtype (default: the checkpoint's `dtype`/`torch_dtype`, else float32); also the
     compute dtype (change it with `dataclasses.replace`). With `mesh`, every param is assembled
     shard by shard into its `NamedSharding` (from `param_logical_axes`): each device's block is read
-    from the memory-mapped file, never a full copy per device. Without, params land on one device.
+    from the memory-mapped file, never a full copy per device. Without, params land on this process's
+    first local device (in a multi-process job `jax.devices()[0]` may belong to another process).
     """
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
@@ -184,7 +185,7 @@ def load_hf_checkpoint(
     np_dtype = jnp.dtype(config.param_dtype)
     pairs = []
     for e in param_entries(config):
-        s = get_path(shardings, e.path) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
+        s = get_path(shardings, e.path) if mesh is not None else SingleDeviceSharding(jax.local_devices()[0])
         pairs.append((e.path, _build_param(config, source, e, s, np_dtype)))
     return config, nest_paths(pairs)
 
