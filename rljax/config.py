@@ -375,6 +375,21 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
     if ro.top_k < 0:
         raise ConfigError("rollout.top_k", f"must be >= 0 (0 disables), got {ro.top_k}")
+    # The engine reports processed log-probs (renormalised over the top-k / top-p set); the trainer scores
+    # the untruncated softmax at the sampler's temperature. Truncated sampling would make every ratio and
+    # the IS correction silently wrong, so training rollouts must not truncate.
+    if ro.top_p != 1.0:
+        raise ConfigError(
+            "rollout.top_p",
+            f"training rollouts need top_p = 1.0 (got {ro.top_p}): the trainer's log-probs are the "
+            "untruncated softmax, the engine's would be renormalised over the nucleus",
+        )
+    if ro.top_k != 0:
+        raise ConfigError(
+            "rollout.top_k",
+            f"training rollouts need top_k = 0 (off; got {ro.top_k}): the trainer's log-probs are the "
+            "untruncated softmax, the engine's would be renormalised over the top-k tokens",
+        )
     if tr.max_staleness < 0:
         raise ConfigError("trainer.max_staleness", f"must be >= 0, got {tr.max_staleness}")
     for key in ("max_retries", "max_restarts"):

@@ -77,6 +77,8 @@ def test_choice_field_lists_valid_values():
         ({"rollout.batch_size": 30, "rollout.group_size": 8}, "rollout.batch_size"),
         ({"rollout.group_size": 1}, "rollout.group_size"),
         ({"rollout.top_p": 1.5}, "rollout.top_p"),
+        ({"rollout.top_p": 0.9}, "rollout.top_p"),  # truncated sampling: trainer/engine log-probs differ
+        ({"rollout.top_k": 5}, "rollout.top_k"),
         ({"trainer.max_staleness": -1}, "trainer.max_staleness"),
         ({"trainer.micro_batch_size": 5}, "trainer.micro_batch_size"),
         ({"algo.dual_clip_c": 0.5}, "algo.dual_clip_c"),
