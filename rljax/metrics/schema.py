@@ -146,6 +146,12 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("rollout/generated_tokens", "tokens", "sum", f"Tokens generated for the {_S} (refill rounds included)."),
     ("rollout/refill_rounds", "count", "sum", "Dynamic sampling: extra rounds run to refill the batch."),
     ("rollout/seconds", "s", "sum", "Generation wall time reported by the rollout client for the step."),
+    ("env/turns_mean", "turns", "mean", f"Multi-turn environments: mean turns per episode over {_S}."),
+    ("env/truncated_frac", "fraction", "ratio",
+     "Multi-turn environments: fraction of episodes cut at the turn or token limit."),
+    ("env/<counter>", "count", "sum",
+     "Multi-turn environments: per-step totals of rljax.envs.driver.COUNTERS (tool_calls, tool_errors, "
+     "tool_timeouts, malformed_calls, step_errors, truncated_max_turns, ...)."),
     ("policy/ratio_mean", "ratio", "mean", f"Mean importance ratio pi_theta / pi_old over {_T}."),
     ("clip/frac_dual", "fraction", "ratio", f"Fraction of {_T} where the dual clip (c * A) was active."),
     ("loss/entropy", "loss", "mean", "Entropy bonus term as added to the loss (-entropy_coef x entropy)."),
