@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -28,21 +29,27 @@ STEPS = 6
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
+class Server(typing.NamedTuple):
+    url: str
+    jax_cache: str  # a persistent compilation cache shared by this module's runs (same programs, same bits)
+
+
 @pytest.fixture(scope="module")
-def server_url(tmp_path_factory):
+def server(tmp_path_factory):
     from vllm_server import TEST_SERVER_OPTIONS
 
     from rljax.rollout import VLLMServer
 
-    server = VLLMServer(MODEL, tmp_path_factory.mktemp("vllm_resume"), options=TEST_SERVER_OPTIONS).spawn()
+    root = tmp_path_factory.mktemp("vllm_resume")
+    server = VLLMServer(MODEL, root, options=TEST_SERVER_OPTIONS).spawn()
     try:
         server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
-        yield server.url
+        yield Server(server.url, str(root / "jax_cache"))
     finally:
         server.stop()
 
 
-def command(workdir, url, *overrides):
+def command(workdir, server, *overrides):
     return [
         sys.executable,
         "-m",
@@ -50,7 +57,7 @@ def command(workdir, url, *overrides):
         "--config=configs/grpo.py",
         f"--workdir={workdir}",
         f"--config.model.path={MODEL}",
-        f"--config.rollout.vllm.urls=('{url}',)",
+        f"--config.rollout.vllm.urls=('{server.url}',)",
         f"--config.trainer.steps={STEPS}",
         "--config.trainer.eval_every=0",
         "--config.rollout.batch_size=16",
@@ -62,8 +69,13 @@ def command(workdir, url, *overrides):
     ]
 
 
-def env(**extra):
+def env(server, **extra):
     e = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+    e |= {
+        "JAX_COMPILATION_CACHE_DIR": server.jax_cache,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
     e.pop("XLA_FLAGS", None)  # one CPU device, in every run alike
     for k in ("RLJAX_TEST_SLOW_SAVE_S", "RLJAX_TEST_SLOW_SAVE_STEP"):
         if k not in extra:
@@ -71,9 +83,14 @@ def env(**extra):
     return e
 
 
-def run_to_end(workdir, url, *overrides) -> str:
+def run_to_end(workdir, server, *overrides) -> str:
     proc = subprocess.run(
-        command(workdir, url, *overrides), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600
+        command(workdir, server, *overrides),
+        cwd=REPO,
+        env=env(server),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"rljax: finished {STEPS} steps" in proc.stdout
@@ -93,12 +110,16 @@ def metrics_steps(workdir) -> list[int]:
     return steps
 
 
-def kill_when(workdir, url, ready, *overrides, **env_extra) -> tuple[list[int], str]:
+def kill_when(workdir, server, ready, *overrides, **env_extra) -> tuple[list[int], str]:
     """Starts a run, SIGKILLs it once `ready(workdir)` holds; returns (metrics steps written, its stdout)."""
     log = pathlib.Path(f"{workdir}.{time.monotonic_ns()}.log")
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            command(workdir, url, *overrides), cwd=REPO, env=env(**env_extra), stdout=out, stderr=out
+            command(workdir, server, *overrides),
+            cwd=REPO,
+            env=env(server, **env_extra),
+            stdout=out,
+            stderr=out,
         )
         deadline = time.monotonic() + 600
         try:
@@ -147,19 +168,19 @@ EVERY_STEP = "--config.checkpoint.every_steps=1"
 
 
 @pytest.fixture(scope="module")
-def straight_sync(server_url, tmp_path_factory):
+def straight_sync(server, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("straight_sync")
-    run_to_end(workdir, server_url, EVERY_STEP)
+    run_to_end(workdir, server, EVERY_STEP)
     assert metrics_steps(workdir) == list(range(STEPS + 1))
     return workdir
 
 
-def test_sync_killed_twice_resumes_bitwise(server_url, straight_sync, tmp_path):
+def test_sync_killed_twice_resumes_bitwise(server, straight_sync, tmp_path):
     workdir = tmp_path / "run"
     # 1) SIGKILL while the save of step 4 is in flight (data written, not yet renamed into place).
     written, _ = kill_when(
         workdir,
-        server_url,
+        server,
         lambda w: in_flight(w, 4) and 4 in metrics_steps(w),
         EVERY_STEP,
         RLJAX_TEST_SLOW_SAVE_S="600",
@@ -168,26 +189,26 @@ def test_sync_killed_twice_resumes_bitwise(server_url, straight_sync, tmp_path):
     assert finished_steps(workdir) == [1, 2, 3], "the half-written step 4 must not be listed"
     assert written[:5] == [0, 1, 2, 3, 4]  # metrics past the newest complete checkpoint exist
     # 2) Resume from 3, the newest complete step; SIGKILL once step 5 is saved.
-    written, out = kill_when(workdir, server_url, lambda w: 5 in finished_steps(w), EVERY_STEP)
+    written, out = kill_when(workdir, server, lambda w: 5 in finished_steps(w), EVERY_STEP)
     assert "rljax: resuming from checkpoint step 3 in" in out
     assert not in_flight(workdir, 4), "the partial step 4 is cleaned up on resume"
     assert written[:6] == [0, 1, 2, 3, 4, 5]
     # 3) Resume from 5 to the end.
-    out = run_to_end(workdir, server_url, EVERY_STEP)
+    out = run_to_end(workdir, server, EVERY_STEP)
     assert "rljax: resuming from checkpoint step 5 in" in out
     assert metrics_steps(workdir) == list(range(STEPS + 1)), "one metrics line per step"
     for step in range(1, STEPS + 1):  # 4 was redone after the kill; 6 is the end of the run
         assert_bitwise_equal(state_of(workdir, step), state_of(straight_sync, step))
 
 
-def test_async_killed_resumes_bitwise_with_its_buffer(server_url, tmp_path):
+def test_async_killed_resumes_bitwise_with_its_buffer(server, tmp_path):
     """max_staleness=1: the checkpoint at 3 holds the batch for step 4 already generated by policy 3."""
     async_mode = "--config.trainer.max_staleness=1"
     straight = tmp_path / "straight"
-    run_to_end(straight, server_url, EVERY_STEP, async_mode)
+    run_to_end(straight, server, EVERY_STEP, async_mode)
     workdir = tmp_path / "run"
     written, _ = kill_when(
-        workdir, server_url, lambda w: 4 in metrics_steps(w), "--config.checkpoint.every_steps=3", async_mode
+        workdir, server, lambda w: 4 in metrics_steps(w), "--config.checkpoint.every_steps=3", async_mode
     )
     assert 3 in finished_steps(workdir) and 4 in written
     buffered = json.loads((workdir / "checkpoints" / "3" / "extra" / "metadata").read_text())["buffer"]
@@ -195,7 +216,7 @@ def test_async_killed_resumes_bitwise_with_its_buffer(server_url, tmp_path):
     assert buffered["buffer"][0]["step"] == 3, buffered["next_step"]
     versions = {t["policy_version"] for g in buffered["buffer"][0]["groups"] for t in g["trajectories"]}
     assert versions == {2}
-    out = run_to_end(workdir, server_url, "--config.checkpoint.every_steps=3", async_mode)
+    out = run_to_end(workdir, server, "--config.checkpoint.every_steps=3", async_mode)
     assert "rljax: resuming from checkpoint step 3 in" in out
     assert metrics_steps(workdir) == list(range(STEPS + 1)), "one metrics line per step"
     assert_bitwise_equal(state_of(workdir, 3), state_of(straight, 3))

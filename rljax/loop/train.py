@@ -40,7 +40,7 @@ def train(cfg: Config, workdir: str) -> None:
                     flush=True,
                 )
                 sys.exit(PREEMPTED_EXIT_CODE)
-            if last or (step + 1) % cfg.checkpoint.every_steps == 0:
+            if cfg.checkpoint.enabled and (last or (step + 1) % cfg.checkpoint.every_steps == 0):
                 save_checkpoint(run, step + 1)
         print(f"rljax: finished {cfg.trainer.steps} steps in {run.workdir}", flush=True)
         phase = "done"
