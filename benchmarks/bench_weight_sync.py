@@ -13,6 +13,10 @@ in the same run:
   including per-layer processing such as the CPU GEMM repacking, finalize);
 - the whole sync against vLLM reloading the same weights in place from the safetensors directory
   (`/pause`, `/collective_rpc reload_weights(weights_path=...)`, `/resume`; target: our pause shorter).
+
+Variants (`--variants`), run in interleaved rounds (`--repeats`) with a reload in each, medians reported:
+`shm` (the default path), `tcp` (bucket bytes streamed over a loopback socket), `shm_layerwise` (every
+layer through vLLM's layerwise reload: what the pause was before the direct in-place load).
 """
 
 from __future__ import annotations
@@ -115,6 +119,7 @@ class Probe:
 
 def last_engine_timing(log_path: Path) -> dict:
     lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if "rljax-shm update:" in ln]
+    # the worker's timing line: buckets, bytes, start_s, map_s, recv_s, load_s, finalize_s, direct
     return {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", lines[-1].split("rljax-shm update:")[1])}
 
 
@@ -128,13 +133,30 @@ def vllm_reload_seconds(url: str, weights_dir: str) -> float:
     return time.perf_counter() - t
 
 
+VARIANTS = {  # name -> SyncOptions overrides
+    "shm": {},
+    "tcp": {"transport": "tcp"},
+    "shm_layerwise": {"direct_load": False},  # every layer through vLLM's layerwise reload
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every variant + reload")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
     ap.add_argument("--workdir", default="/tmp/rljax_bench_weight_sync")
     args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        if v not in VARIANTS:
+            ap.error(f"--variants: unknown {v!r}; valid: {', '.join(VARIANTS)}")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
@@ -165,64 +187,72 @@ def main() -> None:
         return lp[np.arange(len(prompt) - 1, len(prompt) + len(completion) - 1), completion]
 
     opts = ServerOptions(gpu_memory_utilization=0.1, max_model_len=512)
-    engine = VLLMEngine.launch(
-        ckpt,
-        work / "server",
-        server_options=opts,
-        sync_options=SyncOptions(bucket_bytes=args.bucket_mb << 20),
-    )
+    base = SyncOptions(bucket_bytes=args.bucket_mb << 20)
+    engine = VLLMEngine.launch(ckpt, work / "server", server_options=opts, sync_options=base)
+    rows: dict[str, list[dict]] = {v: [] for v in variants + ["vllm_reload"]}
     try:
         url, model = engine.urls[0], engine.client.model
         engine.push_weights(
             models.iter_hf_tensors(config, params), 1, trainer_logprobs=trainer_logprobs
         )  # warm-up
-        with Probe(url, model) as probe:
-            m = engine.push_weights(
-                models.iter_hf_tensors(config, params), 2, trainer_logprobs=trainer_logprobs
-            )
-        timing = last_engine_timing(engine.servers[0].log_path)
-        with Probe(url, model) as probe_reload:
-            reload_s = vllm_reload_seconds(url, str(ckpt))
-        report = {
-            "bytes": nbytes,
-            "memcpy_s": copy_s,
-            "stage_s": stage_s,
-            "stage_in_sync_s": m["weight_sync/stage_seconds"],
-            "pause_s": m["weight_sync/pause_seconds"],
-            "probe_longest_s": probe.longest(),
-            "probe_typical_s": probe.typical(),
-            "engine_map_s": timing["map_s"],
-            "engine_load_s": timing["load_s"],
-            "engine_finalize_s": timing["finalize_s"],
-            "sync_s": m["weight_sync/seconds"],
-            "canary_s": m["weight_sync/seconds"]
-            - m["weight_sync/stage_seconds"]
-            - m["weight_sync/pause_seconds"],
-            "canary_max_abs_diff": m["weight_sync/canary_logprob_max_abs_diff"],
-            "vllm_reload_pause_s": reload_s,
-            "vllm_reload_probe_longest_s": probe_reload.longest(),
-        }
+        version = 1
+        for _ in range(args.repeats):  # interleaved, so the shared machine's load hits every variant alike
+            for v in variants:
+                engine.syncer.options = dataclasses.replace(base, **VARIANTS[v])
+                version += 1
+                with Probe(url, model) as probe:
+                    m = engine.push_weights(
+                        models.iter_hf_tensors(config, params), version, trainer_logprobs=trainer_logprobs
+                    )
+                timing = last_engine_timing(engine.servers[0].log_path)
+                rows[v].append(
+                    {
+                        "probe_longest_s": probe.longest(),
+                        "probe_typical_s": probe.typical(),
+                        "pause_s": m["weight_sync/pause_seconds"],
+                        "stage_in_sync_s": m["weight_sync/stage_seconds"],
+                        "sync_s": m["weight_sync/seconds"],
+                        "canary_s": m["weight_sync/seconds"]
+                        - m["weight_sync/stage_seconds"]
+                        - m["weight_sync/pause_seconds"],
+                        "canary_max_abs_diff": m["weight_sync/canary_logprob_max_abs_diff"],
+                    }
+                    | {f"engine_{k}": val for k, val in timing.items()}
+                )
+            with Probe(url, model) as probe:
+                reload_s = vllm_reload_seconds(url, str(ckpt))
+            rows["vllm_reload"].append({"probe_longest_s": probe.longest(), "pause_s": reload_s})
     finally:
         engine.close()
-    print_report(report)
+    print_report({"bytes": nbytes, "memcpy_s": copy_s, "stage_s": stage_s}, rows)
 
 
-def print_report(r: dict) -> None:
-    """The report as JSON, then the three ratios the issue asks for."""
-    print(json.dumps(r, indent=1))
-    print(f"staging / memcpy         : {r['stage_s'] / r['memcpy_s']:.2f}x (target <= 3x)")
-    engine = (
-        "map {engine_map_s:.2f} + load/repack {engine_load_s:.2f} + finalize {engine_finalize_s:.2f}".format(
-            **r
-        )
+def _median(rows: list[dict], key: str) -> float:
+    return float(np.median([r[key] for r in rows if key in r]))
+
+
+def print_report(head: dict, rows: dict[str, list[dict]]) -> None:
+    """Every round as JSON, then medians: staging vs memcpy, each variant's pause vs vLLM's reload."""
+    print(json.dumps({**head, "rounds": rows}, indent=1))
+    print(f"staging / memcpy : {head['stage_s'] / head['memcpy_s']:.2f}x (target <= 3x)")
+    reload = _median(rows["vllm_reload"], "probe_longest_s")
+    print(
+        f"vLLM reload      : pause seen by generation {reload:.2f} s (median of {len(rows['vllm_reload'])})"
     )
-    pause = "{probe_longest_s:.2f} s (/pause->/resume {pause_s:.2f} s; engine ".format(**r)
-    print(f"pause seen by generation : {pause}{engine})")
-    ratio = r["probe_longest_s"] / r["vllm_reload_probe_longest_s"]
-    reload_pause = r["vllm_reload_probe_longest_s"]
-    print(f"our pause / vLLM reload  : {ratio:.2f}x (target < 1; reload pause {reload_pause:.2f} s)")
-    whole = r["sync_s"] / r["vllm_reload_pause_s"]
-    print(f"whole sync / vLLM reload : {whole:.2f}x (sync {r['sync_s']:.2f} s incl. canary)")
+    for v, rs in rows.items():
+        if v == "vllm_reload":
+            continue
+        pause = _median(rs, "probe_longest_s")
+        parts = " + ".join(
+            f"{k[len('engine_') : -2]} {_median(rs, k):.2f}"
+            for k in ("engine_map_s", "engine_recv_s", "engine_load_s", "engine_finalize_s")
+        )
+        print(
+            f"{v:<17}: pause {pause:.2f} s = {pause / reload:.2f}x reload (target < 1); engine {parts};"
+            f" /pause->/resume {_median(rs, 'pause_s'):.2f} s;"
+            f" canary after resume {_median(rs, 'canary_s'):.2f} s;"
+            f" whole sync {_median(rs, 'sync_s'):.2f} s"
+        )
 
 
 if __name__ == "__main__":

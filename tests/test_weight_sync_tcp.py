@@ -6,6 +6,7 @@ after pushes, and a trainer stream that dies or stalls mid-bucket -> a clear err
 after which a full push serves the trainer's weights again.
 """
 
+import re
 import socket
 import time
 
@@ -16,6 +17,11 @@ from vllm_server import perturbed
 
 from rljax.rollout import RolloutError
 from rljax.weight_sync import SyncOptions, WeightSyncError, stage_buckets, stream
+
+
+def _last_worker_timing(log_path) -> dict[str, float]:
+    line = [ln for ln in open(log_path, errors="replace") if "rljax-shm update:" in ln][-1]
+    return {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", line.split("rljax-shm update:")[1])}
 
 
 def _bucket(tmp_path, seed=0):
@@ -82,6 +88,11 @@ def test_tcp_pushes_match_transformers(served_llama):
         assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= TOL
         assert metrics["weight_sync/bytes"] == sum(v.nbytes for v in state.values())
         _assert_serves_reference(served_llama, start + k)
+        timing = _last_worker_timing(served_llama.server.log_path)
+        if extra:  # pipelined: received while paused
+            assert timing["recv_s"] > 0 and timing["prefetch_s"] == 0
+        else:  # pre-staged: every byte arrived before the pause
+            assert timing["prefetch_s"] > 0 and timing["recv_s"] == 0
 
 
 @pytest.mark.vllm

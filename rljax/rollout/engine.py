@@ -11,6 +11,7 @@ against its safetensors headers and sizes the canary from its `config.json`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -72,7 +73,11 @@ class VLLMEngine:
         server_options: ServerOptions = ServerOptions(),
         **kwargs,
     ) -> VLLMEngine:
-        """Starts `replicas` servers (logs in `workdir/replica_<i>/`) and connects to them."""
+        """Starts `replicas` servers (logs in `workdir/replica_<i>/`) and connects to them; their
+        weight-transfer backend is named after `sync_options.transport` (one engine class takes both)."""
+        sync = kwargs.get("sync_options")
+        if sync is not None:
+            server_options = dataclasses.replace(server_options, weight_transfer_backend=sync.transport)
         servers = []
         try:
             for i in range(replicas):
@@ -89,7 +94,7 @@ class VLLMEngine:
 
     @classmethod
     def connect(cls, urls: Sequence[str], model_path: str | os.PathLike, **kwargs) -> VLLMEngine:
-        """Uses servers started elsewhere (same host for the shm transport)."""
+        """Uses servers started elsewhere (same host for the "shm" transport, any host for "tcp")."""
         return cls(urls, model_path, **kwargs)
 
     @property

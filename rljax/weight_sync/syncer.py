@@ -243,6 +243,10 @@ class WeightSyncer:
         batches: Iterable[list[Bucket]] = (
             [list(buckets)] if isinstance(buckets, list) else ([b] for b in _rejecting(buckets))
         )
+        # Pre-staged tcp: the workers receive every bucket in the background before the pause.
+        prefetch = server is not None and isinstance(buckets, list) and bool(buckets)
+        if prefetch:
+            self._prefetch([info(b) for b in buckets])
         t_pause = time.perf_counter()
         for url in self.urls:
             self._post(
@@ -251,7 +255,7 @@ class WeightSyncer:
         engine_s, nbytes = 0.0, 0
         self.gate.broken = "a weight sync was interrupted; the servers may hold mixed weights"
         try:
-            for url in self.urls:
+            for url in self.urls if not prefetch else ():
                 self._post(url, "/start_weight_update")
             for batch in batches:
                 if not batch:
@@ -289,6 +293,23 @@ class WeightSyncer:
         for url in self.urls:
             self._post(url, "/resume")
         return time.perf_counter() - t_pause, engine_s, nbytes
+
+    def _prefetch(self, infos: list[dict]) -> None:
+        """`/start_weight_update` and a background receive of `infos` on every server (not paused)."""
+        started = []
+        try:
+            for url in self.urls:
+                self._post(url, "/start_weight_update")
+                started.append(url)
+                body = {"update_info": {"buckets": infos, "prefetch": True}}
+                self._post(url, "/update_weights", body)
+        except BaseException:
+            for url in started:  # nothing was loaded: ends the session, the old weights serve on
+                try:
+                    self._post(url, "/finish_weight_update", timeout_s=self.options.control_timeout_s)
+                except WeightSyncError:
+                    pass
+            raise
 
 
 def _rejecting(buckets: Iterable[Bucket]) -> Iterator[Bucket]:

@@ -13,6 +13,11 @@ Per update (driven by vLLM's `/start_weight_update`, `/update_weights`, `/finish
   steps), the path vLLM's own IPC engine and `reload_weights` take. Those layers' parameters move to
   the meta device, so the server must be paused first (a forward pass before finish kills the engine).
   `init_info={"direct_load": false}` sends every layer through layerwise reload (vLLM's own path).
+- tcp prefetch: `/update_weights` with `prefetch: true` (sent before `/pause`, right after
+  `/start_weight_update`) starts a thread in the worker that receives the listed buckets into its own
+  buffers while the server keeps generating, and returns at once; the load call after the pause joins
+  it and loads from those buffers. So `start` is lazy: the layers move to the meta device only when the
+  first bucket loads.
 - each `/update_weights`: one bucket (`path`/`tcp` + `tensors`) or several (`buckets`: a list of such
   dicts, one HTTP round trip for a pre-staged sync). Entries are checked against the served checkpoint's
   names and shapes (an unknown name, a wrong shape or a tensor pushed twice is rejected, naming it,
@@ -36,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+import threading
 import time
 import zlib
 
@@ -70,6 +76,7 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
     copy: bool = False
     tcp: dict | None = None  # {"host", "port", "token", "timeout_s"}: fetch the bytes from the trainer
     buckets: list = dataclasses.field(default_factory=list)  # several buckets in one call
+    prefetch: bool = False  # tcp only: receive in the background now, load on a later call
 
 
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
@@ -86,6 +93,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self._seen: set[str] = set()
         self._active = False
         self._direct: bool = False
+        self._started = False
+        self._prefetch: threading.Thread | None = None
+        self._prefetched: dict[int, tuple] = {}  # bucket index -> (buffer, size) or (None, exception)
         self._spec: dict | None = None
         self._timing: dict = {}
         self._tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
@@ -100,25 +110,61 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         return self._spec
 
     def start_weight_update(self) -> None:
-        self._seen, self._active = set(), True
+        self._join_prefetch()
+        self._seen, self._active, self._started = set(), True, False
         self._timing = {"map": 0.0, "recv": 0.0, "load": 0.0, "finalize": 0.0, "buckets": 0, "bytes": 0}
+        self._timing |= {"start": 0.0, "prefetch": 0.0}
         self._direct = bool(self.options.direct_load)
-        t0 = time.perf_counter()
-        start_reload(self.model, direct=self._direct)
-        self._timing["start"] = time.perf_counter() - t0
+        self._prefetched = {}
+
+    def _ensure_started(self) -> None:
+        """The deferred half of `start`: wait for a prefetch, then take the layers apart for loading."""
+        self._join_prefetch()
+        if not self._started:
+            t0 = time.perf_counter()
+            start_reload(self.model, direct=self._direct)
+            self._started = True
+            self._timing["start"] = time.perf_counter() - t0
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
+        infos = [update_info]
+        if update_info.buckets:
+            if not all(isinstance(b, dict) for b in update_info.buckets):
+                raise ValueError("weight sync: update_info.buckets must be a list of objects")
+            infos = [self.parse_update_info(b) for b in update_info.buckets]
+        if update_info.prefetch:
+            self._start_prefetch(infos)
+            return
         try:
-            if update_info.buckets:
-                for b in update_info.buckets:
-                    if not isinstance(b, dict):
-                        raise ValueError("weight sync: update_info.buckets must be a list of objects")
-                    self._receive(self.parse_update_info(b))
-            else:
-                self._receive(update_info)
+            self._ensure_started()
+            for info in infos:
+                self._receive(info)
         except BaseException:
             self._abort()
             raise
+
+    def _start_prefetch(self, infos: list[ShmUpdateInfo]) -> None:
+        if any(i.tcp is None for i in infos):
+            raise ValueError("weight sync: prefetch is for tcp buckets only")
+        self._join_prefetch()
+
+        def run():
+            t0 = time.perf_counter()
+            for info in infos:
+                try:
+                    self._prefetched[info.bucket] = self._fetch(info, timed=False)
+                except BaseException as e:  # noqa: BLE001 - raised by the load call that needs it
+                    self._prefetched[info.bucket] = (None, e)
+                    break
+            self._timing["prefetch"] = time.perf_counter() - t0
+
+        self._prefetch = threading.Thread(target=run, daemon=True, name="rljax-ws-prefetch")
+        self._prefetch.start()
+
+    def _join_prefetch(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.join()  # bounded: every receive has the stream's timeout
+            self._prefetch = None
 
     def _receive(self, info: ShmUpdateInfo) -> None:
         t0 = time.perf_counter()
@@ -153,14 +199,20 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             return (mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ) if size else None), size
 
-    def _fetch(self, info: ShmUpdateInfo) -> tuple[np.ndarray, int]:
+    def _fetch(self, info: ShmUpdateInfo, timed: bool = True) -> tuple[np.ndarray, int]:
+        if info.bucket in self._prefetched:
+            buf, size = self._prefetched.pop(info.bucket)
+            if buf is None:
+                raise size
+            return buf, size
         t0 = time.perf_counter()
         client = stream.BucketClient(info.tcp)
         try:
             buf, size = client.fetch(info.bucket, lambda n: np.empty(n, np.uint8))
         finally:
             client.close()
-        self._timing["recv"] += time.perf_counter() - t0
+        if timed:
+            self._timing["recv"] += time.perf_counter() - t0
         return buf, size
 
     @staticmethod
@@ -176,6 +228,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def finish_weight_update(self) -> None:
         try:
+            self._join_prefetch()
             if self.options.validate:
                 optional = frozenset({"lm_head.weight"}) if self._tied else frozenset()
                 missing = wire.missing_names(self.spec(), self._seen, optional)
@@ -194,6 +247,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         t0 = time.perf_counter()
+        self._join_prefetch()
         try:
             finalize_layerwise_reload(self.model, self.model_config)
             if self._tied:  # the tied head shares the embedding's weight but keeps its own packed copy
@@ -202,16 +256,18 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             elif self._direct:  # the untied head was loaded live: pack the new weights
                 repack_lm_heads(self.model)
         finally:
-            self._active = False
+            self._active = self._started = False
+            self._prefetched = {}
             self._release()
             t = self._timing
             t["finalize"] = time.perf_counter() - t0
             # One line per update; benchmarks/bench_weight_sync.py parses it from the server log.
             logger.info(
-                "rljax-shm update: buckets=%d bytes=%d start_s=%.4f map_s=%.4f recv_s=%.4f load_s=%.4f "
-                "finalize_s=%.4f direct=%d",
+                "rljax-shm update: buckets=%d bytes=%d prefetch_s=%.4f start_s=%.4f map_s=%.4f recv_s=%.4f "
+                "load_s=%.4f finalize_s=%.4f direct=%d",
                 t["buckets"],
                 t["bytes"],
+                t.get("prefetch", 0.0),
                 t.get("start", 0.0),
                 t["map"],
                 t["recv"],
