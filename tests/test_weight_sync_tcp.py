@@ -40,6 +40,7 @@ def test_stream_round_trip_and_refusals(tmp_path):
         assert n == len(data) and buf.tobytes() == data
         buf, n = client.fetch(bucket.index, lambda k: np.empty(k, np.uint8))  # same connection, again
         assert buf.tobytes() == data
+        assert server.wait_sent(2, timeout_s=5.0)
         with pytest.raises(stream.StreamError, match="unknown bucket 7"):
             client.fetch(7, lambda k: np.empty(k, np.uint8))
         client.close()

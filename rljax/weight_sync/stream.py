@@ -97,6 +97,8 @@ class BucketServer:
         self.fault: tuple[str, int] | None = None
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
+        self._sent = threading.Condition()
+        self._sent_count, self._failed = 0, False
         self._sock = socket.create_server((host, port))
         _tune(self._sock)  # inherited by accepted connections
         self._sock.settimeout(0.2)
@@ -113,6 +115,21 @@ class BucketServer:
     def remove(self, index: int) -> None:
         with self._lock:
             self._paths.pop(int(index), None)
+
+    def wait_sent(self, count: int, timeout_s: float) -> bool:
+        """Blocks until `count` buckets were sent in full (all connections together), a connection
+        failed, or `timeout_s` passed; True only in the first case."""
+        with self._sent:
+            self._sent.wait_for(lambda: self._sent_count >= count or self._failed, timeout_s)
+            return self._sent_count >= count
+
+    def _note(self, sent: bool) -> None:
+        with self._sent:
+            if sent:
+                self._sent_count += 1
+            else:
+                self._failed = True
+            self._sent.notify_all()
 
     def address(self, timeout_s: float) -> dict:
         """The `tcp` part of an update_info: where and how the worker fetches its buckets."""
@@ -142,16 +159,17 @@ class BucketServer:
                         return  # the worker closed the connection: done
                     if req.get("token") != self.token:
                         send_frame(conn, {"error": "bad token"})
-                        return
+                        return self._note(False)
                     with self._lock:
                         path = self._paths.get(int(req.get("bucket", -1)))
                     if path is None:
                         send_frame(conn, {"error": f"unknown bucket {req.get('bucket')!r}"})
-                        return
+                        return self._note(False)
                     if not self._send_file(conn, int(req["bucket"]), path):
-                        return
+                        return self._note(False)
+                    self._note(True)
             except OSError:
-                return  # the worker died or timed out; it reports its own error
+                return self._note(False)  # the worker died or timed out; it reports its own error
 
     def _send_file(self, conn: socket.socket, index: int, path: str) -> bool:
         with open(path, "rb") as f:

@@ -247,6 +247,8 @@ class WeightSyncer:
         prefetch = server is not None and isinstance(buckets, list) and bool(buckets)
         if prefetch:
             self._prefetch([info(b) for b in buckets])
+            # pause once the bytes are out (or a stream failed: the load call reports it)
+            server.wait_sent(len(buckets) * len(self.urls), o.tcp_timeout_s * len(buckets))
         t_pause = time.perf_counter()
         for url in self.urls:
             self._post(
