@@ -8,6 +8,7 @@ must call them at the same point). In a single-process run all of these are chea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -82,10 +83,19 @@ class PeerWatchdog:
     to be restarted as a whole, and resumes from its latest checkpoint.
     """
 
-    def __init__(self, client, process_id: int, num_processes: int, *, interval_s: float, timeout_s: float):
+    def __init__(
+        self,
+        client,
+        process_id: int,
+        num_processes: int,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        active: Callable[[], bool] = lambda: True,
+    ):
         import threading
 
-        self._client, self._me, self._n = client, process_id, num_processes
+        self._client, self._me, self._n, self._active = client, process_id, num_processes, active
         self._interval, self._timeout = interval_s, timeout_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rljax-peer-watchdog", daemon=True)
@@ -104,6 +114,8 @@ class PeerWatchdog:
         seen = {p: (None, now) for p in range(self._n) if p != self._me}  # peer -> (last value, when)
         reached, beat = now, 0
         while not self._stop.wait(self._interval):
+            if not self._active():  # jax.distributed was shut down (the normal end of the job)
+                return
             now = time.monotonic()
             try:
                 beat += 1
@@ -155,6 +167,11 @@ def start_peer_watchdog(interval_s: float = 1.0, timeout_s: float = 30.0) -> Pee
     if client is None:
         return None
     watchdog = PeerWatchdog(
-        client, jax.process_index(), jax.process_count(), interval_s=interval_s, timeout_s=timeout_s
+        client,
+        jax.process_index(),
+        jax.process_count(),
+        interval_s=interval_s,
+        timeout_s=timeout_s,
+        active=lambda: jax_distributed.global_state.client is client,
     )
     return watchdog.start()

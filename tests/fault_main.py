@@ -1,0 +1,36 @@
+"""`python -m rljax.main` with a planted non-finite gradient, for the loop fault suite (test_faults_loop.py).
+
+RLJAX_TEST_POISON_UPDATE=N makes the advantages of the N-th update's batch NaN inside the update (after
+the host-side batch validation, which rejects non-finite inputs), so that step's loss and gradient are
+non-finite and the trainer's guard must skip it. Everything else is the unchanged entry point.
+"""
+
+import dataclasses
+import os
+
+import jax.numpy as jnp
+
+from rljax import trainer
+
+_make_update = trainer.make_update
+
+
+def make_update(*args, **kwargs):
+    update, calls = _make_update(*args, **kwargs), [0]
+    poison = int(os.environ.get("RLJAX_TEST_POISON_UPDATE", "0"))
+
+    def poisoned(state, batch, ref_params=None):
+        calls[0] += 1
+        if calls[0] == poison:
+            batch = dataclasses.replace(batch, advantages=batch.advantages * jnp.nan)
+        return update(state, batch, ref_params)
+
+    return poisoned
+
+
+trainer.make_update = make_update
+
+if __name__ == "__main__":
+    from rljax.main import run
+
+    run()
