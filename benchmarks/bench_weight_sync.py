@@ -250,7 +250,7 @@ def print_report(head: dict, rows: dict[str, list[dict]]) -> None:
         print(
             f"{v:<17}: pause {pause:.2f} s = {pause / reload:.2f}x reload (target < 1); engine {parts};"
             f" /pause->/resume {_median(rs, 'pause_s'):.2f} s;"
-            f" canary after resume {_median(rs, 'canary_s'):.2f} s;"
+            f" outside the pause (tcp prefetch, canary) {_median(rs, 'canary_s'):.2f} s;"
             f" whole sync {_median(rs, 'sync_s'):.2f} s"
         )
 
