@@ -6,7 +6,8 @@ Items of each step:
   config: JSON: the resolved config the run was started with.
 orbax writes `<step>.orbax-checkpoint-tmp` and renames it when complete, so a process killed mid-save leaves
 nothing `all_steps()` lists; a finished step whose bytes are corrupt fails only at restore, so
-`restore_latest` walks back to the newest step that restores and says so on stderr.
+`restore_latest` walks back to the newest step that restores, says so on stderr, and moves the newer,
+unrestorable steps to `corrupt/` (kept for inspection) so the resumed run can save those steps again.
 
 Test-only hook (fault tests of a save killed in flight): `RLJAX_TEST_SLOW_SAVE_S=<seconds>` makes every async
 save (or only step `RLJAX_TEST_SLOW_SAVE_STEP`, when set) wait that long after its data is written and before
@@ -29,6 +30,7 @@ import orbax.checkpoint as ocp
 from rljax.types import LossInputs
 
 BATCHES_DIR = "batches"
+CORRUPT_DIR = "corrupt"  # steps that failed to restore, moved out of orbax's listing
 
 
 class CheckpointError(RuntimeError):
@@ -106,12 +108,30 @@ class Checkpointer:
                     flush=True,
                 )
                 continue
+            if failures:
+                self._quarantine([s for s in steps if s > step])
             return step, state, extra
         if steps:
             raise CheckpointError(
                 f"none of the {len(steps)} checkpoints in {self.directory} restores: " + "; ".join(failures)
             )
         return None
+
+    def _quarantine(self, bad_steps: list[int]) -> None:
+        """Moves steps that failed to restore to `<directory>/corrupt/<step>-<time>` (kept for inspection,
+        never listed again), so that the resumed run can save those step numbers afresh."""
+        if jax.process_index() == 0:
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            os.makedirs(os.path.join(self.directory, CORRUPT_DIR), exist_ok=True)
+            for step in bad_steps:
+                target = os.path.join(self.directory, CORRUPT_DIR, f"{step}-{stamp}")
+                os.replace(os.path.join(self.directory, str(step)), target)
+                print(f"rljax: moved unrestorable checkpoint step {step} to {target}", file=sys.stderr)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("rljax_checkpoint_quarantine")
+        self._manager.reload()
 
     def reached_preemption(self, step: int) -> bool:
         """True on every process once a preemption notice (SIGTERM via jax.distributed) reached `step`."""

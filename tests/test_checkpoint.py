@@ -71,6 +71,13 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path, capsys):
     assert step == 1 and extra == {"k": 1}
     assert_tree_equal(restored, make_state(1))
     assert "checkpoint step 2" in capsys.readouterr().err
+    # The bad step is moved aside (kept), so the resumed run can write step 2 again and resume from it.
+    assert ck.all_steps() == [1] and len(list((tmp_path / "corrupt").iterdir())) == 1
+    ck.save(2, make_state(5), {"k": 5}, {})
+    ck.wait()
+    step, restored, extra = Checkpointer(str(tmp_path)).restore_latest(abstract_like(make_state(0)))
+    assert step == 2 and extra == {"k": 5}
+    assert_tree_equal(restored, make_state(5))
 
 
 def test_all_corrupt_raises_rather_than_starting_over(tmp_path):

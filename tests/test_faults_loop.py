@@ -151,11 +151,10 @@ def test_loop_recovers_from_server_reward_and_gradient_faults_then_preempts_and_
     assert extra(work, preempted + 1)["policy_version"] == preempted
 
     # (d) the latest checkpoint garbled: the next run reports it, falls back to the previous one, resumes
-    # and trains on. (Only the last step is saved here: re-saving the garbled step's number after the
-    # fall-back currently fails with orbax's StepAlreadyExistsError, see the report of issue 08.)
+    # and trains on, saving the garbled step's number afresh (the bad copy is moved to checkpoints/corrupt/).
     garbled = preempted + 1
     garble(work / "checkpoints" / str(garbled))
-    proc = start_main(work, steps=garbled + 1, extra_args=("--config.checkpoint.every_steps=1000",))
+    proc = start_main(work, steps=garbled + 1)
     out = finish(proc, timeout=400)
     assert proc.returncode == 0, out[-4000:]
     assert f"checkpoint step {garbled} in" in out and "falling back to an earlier step" in out
@@ -164,6 +163,8 @@ def test_loop_recovers_from_server_reward_and_gradient_faults_then_preempts_and_
     assert [m["step"] for m in lines] == list(range(garbled + 2))
     assert [m["policy/version"] for m in lines[-2:]] == [garbled, garbled + 1]
     assert extra(work, garbled + 1)["policy_version"] == garbled  # two updates after step `preempted`
+    assert extra(work, garbled)["policy_version"] == garbled - 1  # re-saved, restorable again
+    assert [p.name.split("-")[0] for p in (work / "checkpoints" / "corrupt").iterdir()] == [str(garbled)]
 
 
 def free_port() -> int:
