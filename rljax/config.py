@@ -87,7 +87,9 @@ class VLLMConfig:
 
 @dataclass(frozen=True)
 class WeightSyncConfig:
-    transport: str = _choice("shm", "shm", "tcp")
+    transport: str = _choice("shm", "shm", "tcp")  # shm: servers on this host; tcp: streamed over a socket
+    tcp_host: str = "127.0.0.1"  # tcp: this trainer's address as the servers reach it (bound while syncing)
+    tcp_timeout_s: float = 30.0  # tcp: connect and per-receive timeout (a dead peer fails within it)
     bucket_mb: int = 64
     # fp32 trainer and engine agree to ~1e-5 on sampled tokens; the canary's random tokens sit at log-probs
     # of -20..-30 on a trained model, where fp32 rounding reaches ~2e-4. Broken syncs differ by >= 0.1.
