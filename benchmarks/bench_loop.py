@@ -70,6 +70,13 @@ def summarize(rows: list[dict]) -> dict:
     }
     out["weight_sync_share"] = np.mean([r["weight_sync/seconds"] for r in rows]) / step
     out["tokens_per_step"] = np.mean([r["rollout/generated_tokens"] for r in rows])
+    ws = {k: np.mean([r.get(f"weight_sync/{k}", 0.0) for r in rows]) for k in ("seconds", "stage_seconds")}
+    ws["pause_seconds"] = np.mean([r.get("weight_sync/pause_seconds", 0.0) for r in rows])
+    out["weight_sync_parts"] = {  # seconds: staging, pause (engine + HTTP), rest (canary: server + trainer)
+        "stage_s": ws["stage_seconds"],
+        "pause_s": ws["pause_seconds"],
+        "canary_s": ws["seconds"] - ws["stage_seconds"] - ws["pause_seconds"],
+    }
     return out
 
 
@@ -102,9 +109,18 @@ def main() -> None:
             f"{k}={v:.3f}"
             for k, v in s.items()
             if k
-            not in ("step_s", "generation", "update_math", "overhead", "weight_sync_share", "tokens_per_step")
+            not in (
+                "step_s",
+                "generation",
+                "update_math",
+                "overhead",
+                "weight_sync_share",
+                "tokens_per_step",
+                "weight_sync_parts",
+            )
         )
     )
+    print("  weight sync (s): " + ", ".join(f"{k}={v:.3f}" for k, v in s["weight_sync_parts"].items()))
     print(f"overhead target <= 0.10: {'met' if s['overhead'] <= 0.10 else 'NOT met'} ({s['overhead']:.3f})")
 
 
