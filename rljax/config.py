@@ -125,7 +125,8 @@ class RewardConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "arithmetic"  # a name in rljax.data.SOURCES
-    source_options: tuple = (("num_examples", 4000), ("max_value", 12))  # (name, value) pairs for the source
+    # (name, value) pairs for the source; the default is the task assets/tiny_arith was built for.
+    source_options: tuple = (("num_examples", 4000), ("max_value", 19), ("ops", ("+",)))
     path: str = ""  # for file sources
     prompt_field: str = "prompt"
     answer_field: str = "answer"
@@ -339,6 +340,7 @@ def _positive(cfg: Config) -> list[tuple[str, Any]]:
         ("rollout.max_tokens", cfg.rollout.max_tokens),
         ("rollout.temperature", cfg.rollout.temperature),
         ("rollout.weight_sync.bucket_mb", cfg.rollout.weight_sync.bucket_mb),
+        ("rollout.weight_sync.tcp_timeout_s", cfg.rollout.weight_sync.tcp_timeout_s),
         ("reward.timeout_s", cfg.reward.timeout_s),
         ("reward.num_workers", cfg.reward.num_workers),
         ("checkpoint.every_steps", cfg.checkpoint.every_steps),

@@ -1,7 +1,7 @@
 """Builds `assets/tiny_arith`: the small warm-started model the default job (configs/grpo.py) trains.
 
 No model can be downloaded, so the default job ships its own: a tiny Qwen2 (vocab 512, hidden 128, 2 layers)
-trained here by supervised learning on the built-in arithmetic task ("7 * 8 =" -> " 56") with a
+trained here by supervised learning on the built-in arithmetic task ("7 + 18 =" -> " 25") with a
 *systematically noisy teacher*: the target is the correct answer with probability `p_correct` and the answer
 plus one otherwise. The model learns the arithmetic and the global off-by-one habit, so at the sampling
 temperature it is right about `p_correct` of the time: above chance, far from perfect. RL only sees rewards
@@ -9,7 +9,12 @@ and must learn to drop the habit; since the habit is shared by all prompts, what
 prompts shows on the held-out ones (`eval/accuracy`). The teacher covers every prompt of the task (as
 pre-training would); RL never trains on the held-out prompts.
 
-    .venv/bin/python scripts/build_default_model.py --out assets/tiny_arith   # ~1-2 min on 2 CPU cores
+    .venv/bin/python scripts/build_default_model.py --out assets/tiny_arith   # ~15 CPU-minutes
+
+Measured for the committed model (2500 steps, p_correct 0.3; exact sequence probabilities over all 400
+prompts): P(correct) 0.30, P(answer + 1) 0.63, anything else 0.08. Addition keeps the arithmetic within
+reach of a 2-layer model, so what limits accuracy is the habit, which RL can remove: with "+" and "*" up
+to 12 the model also got 20% of products wrong outright and GRPO lifted eval/accuracy by only ~0.13.
 """
 
 from __future__ import annotations
@@ -82,8 +87,8 @@ def sampled_accuracy(model, tok, examples, n=200, seed=1) -> tuple[float, float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="assets/tiny_arith")
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--p-correct", type=float, default=0.35)
+    parser.add_argument("--steps", type=int, default=2500)
+    parser.add_argument("--p-correct", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
