@@ -207,7 +207,12 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
     vc, ws = cfg.rollout.vllm, cfg.rollout.weight_sync
     client = ClientOptions(request_timeout_s=vc.request_timeout_s, max_retries=vc.max_retries)
     sync = SyncOptions(
-        bucket_bytes=ws.bucket_mb * 2**20, checksums=ws.checksums, canary_tolerance=ws.canary_tolerance
+        bucket_bytes=ws.bucket_mb * 2**20,
+        checksums=ws.checksums,
+        canary_tolerance=ws.canary_tolerance,
+        transport=ws.transport,
+        tcp_host=ws.tcp_host,
+        tcp_timeout_s=ws.tcp_timeout_s,
     )
     if vc.urls:
         engine = VLLMEngine.connect(list(vc.urls), cfg.model.path, client_options=client, sync_options=sync)
