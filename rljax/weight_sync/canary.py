@@ -1,22 +1,25 @@
 """The canary: after each sync, the server's log-probs of fixed tokens must match the trainer's.
 
-Two probes per server, both compared with `trainer_logprobs(prompt_ids, completion_ids) -> f32[C]`
-(the trainer's log-probs of each completion token at temperature 1, no truncation):
+Two probes per server, compared with `trainer_logprobs(prompt_ids, completion_ids) -> f32[C]` (the
+trainer's log-probs of each completion token at temperature 1, no truncation):
 
-1. prompt log-probs of `prompt + completion` (`prompt_logprobs=0`, one forward over the whole
-   sequence; vLLM computes these without the prefix cache), a fixed, non-trivial completion;
-2. a greedy continuation of the prompt with `logprobs=0`: greedy requests report log_softmax of the
-   unscaled logits, and this request reuses the prefix cache, whose blocks for this prompt were filled
-   by the previous canary under the previous weights; a cache not cleared by the sync shows here.
+1. greedy: one greedy token `g` after the prompt with `logprobs=0` (greedy requests report log_softmax of
+   the unscaled logits). This request reuses the prefix cache, whose blocks for this prompt were filled
+   by the previous canary under the previous weights: a cache not cleared by the sync shows here (the
+   first generated token attends over every cached block);
+2. prompt log-probs of `prompt + [g] + fixed[1:]` (`prompt_logprobs=0`, one forward over the whole
+   sequence, computed without the prefix cache): a fixed, non-trivial completion behind `g`.
 
-The prompt spans several KV blocks so probe 2 really hits the cache. Failure raises `CanaryError`
-with the max / mean absolute differences.
+The trainer scores `prompt + [g] + fixed[1:]` once, which covers both probes (its first value is `g`'s
+log-prob); that forward runs while the server answers probe 2. The prompt spans several KV blocks so
+probe 1 really hits the cache. Failure raises `CanaryError` with the max / mean absolute differences.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import requests
@@ -30,11 +33,11 @@ class CanaryError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class CanarySpec:
-    """Fixed canary tokens: `prompt_ids i32[P]`, `completion_ids i32[C]`, greedy continuation length."""
+    """Fixed canary tokens: `prompt_ids i32[P]`, `completion_ids i32[C]` (its first token is replaced by
+    the server's greedy token at check time)."""
 
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
-    greedy_tokens: int = 8
 
 
 def make_canary(
@@ -105,15 +108,19 @@ def check_canary(
     timeout_s: float = 30.0,
 ) -> tuple[float, float]:
     """Runs both probes on one server; returns (max, mean) abs diff or raises CanaryError."""
-    prompt, completion = list(spec.prompt_ids), list(spec.completion_ids)
-    server = [server_prompt_logprobs(url, model, prompt, completion, timeout_s)]
-    trainer = [np.asarray(trainer_logprobs(prompt, completion), np.float32)]
-    greedy_ids, greedy_lp = server_greedy(url, model, prompt, spec.greedy_tokens, timeout_s)
-    server.append(greedy_lp)
-    trainer.append(np.asarray(trainer_logprobs(prompt, greedy_ids), np.float32))
+    prompt = list(spec.prompt_ids)
+    greedy_ids, greedy_lp = server_greedy(url, model, prompt, 1, timeout_s)
+    if len(greedy_ids) != 1 or greedy_lp.shape != (1,):
+        raise CanaryError(f"canary greedy probe on {url}: expected 1 token, got {greedy_ids}")
+    completion = greedy_ids + list(spec.completion_ids[1:])
+    with ThreadPoolExecutor(1, thread_name_prefix="rljax-canary") as pool:
+        fixed = pool.submit(server_prompt_logprobs, url, model, prompt, completion, timeout_s)
+        trainer_lp = np.asarray(trainer_logprobs(prompt, completion), np.float32)
+        fixed_lp = fixed.result()
+    server, trainer = [greedy_lp, fixed_lp], [trainer_lp[:1], trainer_lp]
     diffs = []
     for probe, (s, t) in zip(
-        ("prompt_logprobs", "greedy (prefix cache)"), zip(server, trainer, strict=True), strict=True
+        ("greedy (prefix cache)", "prompt_logprobs"), zip(server, trainer, strict=True), strict=True
     ):
         if s.shape != t.shape:
             raise CanaryError(f"canary {probe}: trainer gave shape {t.shape}, server {s.shape}")
