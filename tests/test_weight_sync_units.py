@@ -1,5 +1,6 @@
 """Host staging, the wire format, the server command line and the policy gate (no vLLM server)."""
 
+import os
 import threading
 import time
 import zlib
@@ -98,3 +99,21 @@ def test_gate_sync_waits_for_in_flight_generation():
     with gate.shared(), pytest.raises(TimeoutError):
         with gate.exclusive(timeout_s=0.05):
             pass
+
+
+def test_sweep_removes_buckets_of_dead_trainers_only(tmp_path):
+    import subprocess
+    import sys
+
+    from rljax.weight_sync.staging import sweep_stale_buckets
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    dead_pid = int(dead.stdout)  # exited: its pid is free (reuse within this test is vanishingly unlikely)
+    (tmp_path / f"rljax-ws-{dead_pid}-abcd1234-00000").write_bytes(b"x" * 64)
+    live = tmp_path / f"rljax-ws-{os.getpid()}-abcd1234-00000"
+    live.write_bytes(b"y")
+    other = tmp_path / "rljax-ws-notapid-00000"
+    other.write_bytes(b"z")
+    removed = sweep_stale_buckets(tmp_path)
+    assert removed == [str(tmp_path / f"rljax-ws-{dead_pid}-abcd1234-00000")]
+    assert live.exists() and other.exists()

@@ -22,6 +22,38 @@ import numpy as np
 from rljax.weight_sync import wire
 
 DEFAULT_STAGING_DIR = "/dev/shm"
+PREFIX = "rljax-ws-"  # bucket files are named rljax-ws-<pid>-<sync token>-<index>
+
+
+def sweep_stale_buckets(directory: str | os.PathLike = DEFAULT_STAGING_DIR) -> list[str]:
+    """Removes bucket files left by trainer processes that no longer exist (a SIGKILL skips every cleanup,
+    and /dev/shm is RAM); returns the removed paths. Files of live processes are never touched."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        pid = name[len(PREFIX) :].split("-", 1)[0]
+        if not (name.startswith(PREFIX) and pid.isdigit()) or _alive(int(pid)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:  # another sweeper got it first, or not ours to remove
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 @dataclasses.dataclass
@@ -92,7 +124,7 @@ def stage_buckets(
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    prefix = prefix or f"rljax-ws-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    prefix = prefix or f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     seen: set[str] = set()
     current: _BucketFile | None = None
     index = 0

@@ -38,7 +38,7 @@ import requests
 from rljax.weight_sync import canary as canary_lib
 from rljax.weight_sync import stream
 from rljax.weight_sync.gate import PolicyGate
-from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, Bucket, stage_buckets
+from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, Bucket, stage_buckets, sweep_stale_buckets
 
 
 class WeightSyncError(RuntimeError):
@@ -91,6 +91,7 @@ class WeightSyncer:
         self.urls, self.model, self.spec, self.canary = list(urls), model, spec, canary
         self.gate, self.options = gate, options
         self._initialized: dict[str, dict] = {}
+        sweep_stale_buckets(options.staging_dir)  # leftovers of SIGKILLed trainers would pin RAM in /dev/shm
         self.tcp_fault: tuple[str, int] | None = None  # tests only: see `stream.BucketServer.fault`
 
     def _post(
