@@ -6,7 +6,8 @@ Presets: `configs/grpo.py:smoke` (3 short steps, for tests) and `configs/grpo.py
 (a real local checkpoint: add --config.model.path=/path/to/Qwen2.5-0.5B-Instruct; GPU recommended).
 
 A good run: `eval/accuracy` printed before the first update and every `trainer.eval_every` steps rises by
->= 0.25 absolute over the run (measured: 0.31 -> 0.69; trainer.seed 1 and 2: +0.31, +0.41); `reward/mean` climbs; `logprob/trainer_vs_rollout_abs_diff_max` stays ~1e-5
+>= 0.25 absolute over the run (measured: 0.31 -> 0.69; trainer.seed 1 and 2: +0.31, +0.41);
+`reward/mean` climbs; `logprob/trainer_vs_rollout_abs_diff_max` stays ~1e-5
 (float32); `weight_sync/canary_logprob_max_abs_diff` stays below `rollout.weight_sync.canary_tolerance`.
 """
 

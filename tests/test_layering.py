@@ -55,6 +55,7 @@ HOST_MODULES = (
     "rljax/envs",
     "rljax/preflight.py",
     "rljax/launch.py",
+    "rljax/replay.py",
 )
 
 

@@ -3,6 +3,7 @@ and the canary catching each known CPU pitfall (tied lm_head, stale prefix cache
 
 import numpy as np
 import pytest
+import requests
 from vllm_server import perturbed
 
 from rljax.rollout import RolloutError
@@ -125,3 +126,12 @@ def test_canary_catches_stale_prefix_cache(served_qwen2):
         served_qwen2.push(perturbed(state, seed=22, scale=0.3), version + 2, clear_prefix_cache=False)
     served_qwen2.push(perturbed(state, seed=23), version + 3)
     _assert_serves_reference(served_qwen2, version + 3)
+
+
+def test_update_left_open_by_a_dead_trainer_is_closed_by_the_next_push(served_qwen2):
+    version, state = served_qwen2.engine.version, served_qwen2.ref.state()
+    (url,) = served_qwen2.engine.urls
+    # What a trainer SIGKILLed between /start_weight_update and /finish_weight_update leaves behind.
+    requests.post(url + "/start_weight_update", timeout=30).raise_for_status()
+    served_qwen2.push(perturbed(state, seed=31), version + 1)
+    _assert_serves_reference(served_qwen2, version + 1)

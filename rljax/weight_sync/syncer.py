@@ -27,6 +27,7 @@ canary_logprob_max_abs_diff, canary_logprob_mean_abs_diff}.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -39,6 +40,8 @@ from rljax.weight_sync import canary as canary_lib
 from rljax.weight_sync import stream
 from rljax.weight_sync.gate import PolicyGate
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, Bucket, stage_buckets, sweep_stale_buckets
+
+log = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
@@ -128,6 +131,24 @@ class WeightSyncer:
         if self._initialized.get(url) != info:
             self._post(url, "/init_weight_transfer_engine", {"init_info": info})
             self._initialized[url] = info
+
+    def _start_update(self, url: str) -> None:
+        """`/start_weight_update`; a session left open by a trainer that died mid-sync (the server refuses a
+        second one) is aborted first: the full push that follows overwrites whatever it had loaded, and
+        the canary checks the result."""
+        try:
+            self._post(url, "/start_weight_update")
+            return
+        except WeightSyncError as e:
+            if "already active" not in str(e):
+                raise
+        log.warning("%s: aborting a weight update left open by an earlier trainer (killed mid-sync?)", url)
+        try:  # fails on purpose: a failing update_weights is how vLLM's worker ends a session
+            self._post(url, "/update_weights", {"update_info": {"abort": True}})
+        except WeightSyncError as e:
+            if "aborted by the trainer" not in str(e):
+                raise WeightSyncError(f"{url}: could not abort the open weight update: {e}") from e
+        self._post(url, "/start_weight_update")
 
     def server_version(self, url: str) -> str | None:
         """The weight version a server reports (`/weight_info`)."""
@@ -259,7 +280,7 @@ class WeightSyncer:
         self.gate.broken = "a weight sync was interrupted; the servers may hold mixed weights"
         try:
             for url in self.urls if not prefetch else ():
-                self._post(url, "/start_weight_update")
+                self._start_update(url)
             for batch in batches:
                 if not batch:
                     continue
@@ -302,7 +323,7 @@ class WeightSyncer:
         started = []
         try:
             for url in self.urls:
-                self._post(url, "/start_weight_update")
+                self._start_update(url)
                 started.append(url)
                 body = {"update_info": {"buckets": infos, "prefetch": True}}
                 self._post(url, "/update_weights", body)

@@ -68,6 +68,9 @@ class ShmInitInfo(WeightTransferInitInfo):
     direct_load: bool = True  # load checkpoint-format layers straight into the served storage
 
 
+ABORTED = "weight sync: update session aborted by the trainer"
+
+
 @dataclasses.dataclass
 class ShmUpdateInfo(WeightTransferUpdateInfo):
     path: str = ""
@@ -77,6 +80,7 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
     tcp: dict | None = None  # {"host", "port", "token", "timeout_s"}: fetch the bytes from the trainer
     buckets: list = dataclasses.field(default_factory=list)  # several buckets in one call
     prefetch: bool = False  # tcp only: receive in the background now, load on a later call
+    abort: bool = False  # end a session a dead trainer left open (the call fails on purpose, see below)
 
 
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
@@ -127,6 +131,13 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             self._timing["start"] = time.perf_counter() - t0
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
+        if update_info.abort:
+            # vLLM ends a session only through finish (which refuses an incomplete push) or a failing
+            # update_weights call (which clears the worker's session flag): the latter is the abort.
+            try:
+                self._abort()
+            finally:
+                raise RuntimeError(ABORTED)
         infos = [update_info]
         if update_info.buckets:
             if not all(isinstance(b, dict) for b in update_info.buckets):
