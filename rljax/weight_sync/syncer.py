@@ -129,7 +129,9 @@ class WeightSyncer:
             "direct_load": self.options.direct_load,
         }
         if self._initialized.get(url) != info:
-            self._post(url, "/init_weight_transfer_engine", {"init_info": info})
+            # The first call into a (re)started server's workers: slower than the other control calls.
+            body, timeout_s = {"init_info": info}, self.options.update_timeout_s
+            self._post(url, "/init_weight_transfer_engine", body, timeout_s=timeout_s)
             self._initialized[url] = info
 
     def _start_update(self, url: str) -> None:
