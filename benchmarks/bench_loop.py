@@ -12,7 +12,7 @@ after the first (compile) ones:
 
 Printed as ratios of the step time measured in the same run (absolute times are noisy on shared machines).
 
-    .venv/bin/python benchmarks/bench_loop.py [--steps 8] [--skip 3]
+    .venv/bin/python benchmarks/bench_loop.py [--steps 12] [--skip 3]
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def summarize(rows: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=3, help="first steps left out (compilation, warm-up)")
     args = parser.parse_args()
     from rljax import config as C

@@ -78,6 +78,9 @@ class VLLMConfig:
     gpu_memory_utilization: float = 0.15  # on CPU: fraction of host RAM reserved
     kvcache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on the CPU build
     max_model_len: int = 512
+    # KV-cache block of owned servers (--block-size), a multiple of 32 (CPU and CUDA backends take it);
+    # 0: vLLM's default (128 on CPU). The canary's prompt spans 2 blocks, so small blocks keep it cheap.
+    block_size: int = 32
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 120.0
     max_retries: int = 2
@@ -401,6 +404,11 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"rollout.vllm.{key}", f"must be >= 0, got {getattr(ro.vllm, key)}")
     if not ro.vllm.request_timeout_s > 0:
         raise ConfigError("rollout.vllm.request_timeout_s", f"must be > 0, got {ro.vllm.request_timeout_s}")
+    if ro.vllm.block_size < 0 or ro.vllm.block_size % 32:
+        raise ConfigError(
+            "rollout.vllm.block_size",
+            f"must be 0 (vLLM's default) or a positive multiple of 32, got {ro.vllm.block_size}",
+        )
     if ro.batch_size % tr.minibatches:
         raise ConfigError(
             "trainer.minibatches", f"{tr.minibatches} does not divide rollout.batch_size={ro.batch_size}"

@@ -158,3 +158,16 @@ def test_unknown_preset_lists_valid(monkeypatch):
     monkeypatch.syspath_prepend(".")
     with pytest.raises(C.ConfigError, match="unknown preset 'big'; valid: smoke"):
         load_config_file("grpo", "big")
+
+
+@pytest.mark.parametrize("block_size", [-32, 16, 48])
+def test_validate_rejects_a_kv_block_size_vllm_cpu_cannot_take(block_size):
+    cfg = C.Config()
+    vllm = dataclasses.replace(cfg.rollout.vllm, block_size=block_size)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, vllm=vllm))
+    with pytest.raises(C.ConfigError, match="multiple of 32") as e:
+        C.validate(cfg)
+    assert e.value.field == "rollout.vllm.block_size"
+    for ok in (0, 32, 64):  # 0: vLLM's default
+        vllm = dataclasses.replace(cfg.rollout.vllm, block_size=ok)
+        C.validate(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, vllm=vllm)))

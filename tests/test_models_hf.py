@@ -62,6 +62,19 @@ def test_tensor_names_are_exactly_transformers_state(ckpts, variant):
     assert names == list(specs)  # every weight exactly once, in state-dict order
 
 
+def test_iter_hf_tensors_same_from_host_views_and_device_slices(ckpts, monkeypatch):
+    config, params = models.load_hf_checkpoint(ckpts["qwen2", True])
+    host = list(models.iter_hf_tensors(config, params))  # CPU arrays: stacked layers sliced in numpy
+    from rljax.models import hf
+
+    assert hf._in_host_memory(np.zeros(2)) and hf._in_host_memory(jax.numpy.zeros(2))
+    monkeypatch.setattr(hf, "_in_host_memory", lambda x: False)  # the accelerator path: per-layer slices
+    device = list(models.iter_hf_tensors(config, params))
+    assert [n for n, _ in host] == [n for n, _ in device]
+    for (name, a), (_, b) in zip(host, device, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 def test_iter_hf_tensors_is_lazy_and_casts(ckpts):
     config, params = models.load_hf_checkpoint(ckpts["qwen3", False])
     it = models.iter_hf_tensors(config, params, dtype="bfloat16")

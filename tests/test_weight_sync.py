@@ -8,7 +8,7 @@ from vllm_server import perturbed
 
 from rljax.rollout import RolloutError
 from rljax.weight_sync import SyncOptions, WeightSyncer, WeightSyncError
-from rljax.weight_sync.canary import server_prompt_logprobs
+from rljax.weight_sync.canary import canary_prompt_len, server_block_size, server_prompt_logprobs
 
 pytestmark = pytest.mark.vllm
 
@@ -117,6 +117,13 @@ def test_canary_catches_stale_tied_lm_head_without_the_repack_fix(served_qwen2):
     served_qwen2.engine.syncer.reset()  # and back on
     served_qwen2.push(perturbed(state, seed=12), version + 2)
     _assert_serves_reference(served_qwen2, version + 2)
+
+
+def test_canary_is_sized_from_the_servers_kv_block(served_qwen2):
+    (url,) = served_qwen2.engine.urls
+    assert server_block_size(url) == 32  # read from vLLM's /metrics (cache_config_info)
+    assert len(served_qwen2.engine.syncer.canary.prompt_ids) == canary_prompt_len(32)
+    assert server_block_size("http://127.0.0.1:9") is None  # nothing there: the caller's fall-back
 
 
 def test_canary_catches_stale_prefix_cache(served_qwen2):

@@ -11,6 +11,7 @@ import pytest
 
 from rljax.rollout.server import ServerOptions, server_command, server_env
 from rljax.weight_sync import stage_buckets, wire
+from rljax.weight_sync.canary import make_canary
 from rljax.weight_sync.gate import PolicyGate
 
 
@@ -72,6 +73,8 @@ def test_server_command_and_env():
     assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "shm"}'
     assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[-1] == "--foo"
+    assert cmd[cmd.index("--block-size") + 1] == "32"  # vLLM's CPU default (128) would lengthen the canary
+    assert "--block-size" not in server_command("/m", "127.0.0.1", 1, ServerOptions(block_size=None))
     env = server_env(opts)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "XLA_FLAGS" not in env
@@ -117,3 +120,14 @@ def test_sweep_removes_buckets_of_dead_trainers_only(tmp_path):
     removed = sweep_stale_buckets(tmp_path)
     assert removed == [str(tmp_path / f"rljax-ws-{dead_pid}-abcd1234-00000")]
     assert live.exists() and other.exists()
+
+
+def test_canary_prompt_spans_two_full_kv_blocks():
+    for block in (16, 32, 128):
+        spec = make_canary(1000, block_size=block)
+        # vLLM caches full blocks only and recomputes the last prompt token: 2 blocks must stay cached
+        assert (len(spec.prompt_ids) - 1) // block == 2
+        assert len(spec.completion_ids) == 24
+        assert all(0 < t < 1000 for t in spec.prompt_ids + spec.completion_ids)
+    assert make_canary(1000, block_size=32) == make_canary(1000, block_size=32)  # deterministic
+    assert len(make_canary(1000, prompt_len=10).prompt_ids) == 10

@@ -220,6 +220,7 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
         server = ServerOptions(
             dtype=cfg.model.param_dtype,
             max_model_len=vc.max_model_len,
+            block_size=vc.block_size or None,
             gpu_memory_utilization=vc.gpu_memory_utilization,
             kvcache_space_gib=vc.kvcache_space_gib,
             seed=cfg.trainer.seed,

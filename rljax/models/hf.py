@@ -76,8 +76,22 @@ def iter_hf_tensors(config: ModelConfig, params: dict, dtype: Any = None) -> Ite
     np_dtype = jnp.dtype(dtype or config.param_dtype)
     for hf, e, layer in _hf_names(config):
         x = get_path(params, e.path)
-        x = np.asarray(x if layer is None else x[layer])
-        yield hf, e.to_hf(x).astype(np_dtype, copy=False)
+        if layer is not None:
+            # on the host: a view of the stacked tensor, sliced in numpy (no per-layer device op);
+            # on an accelerator: only this layer's slice crosses to the host
+            x = np.asarray(x)[layer] if _in_host_memory(x) else np.asarray(x[layer])
+        yield hf, e.to_hf(np.asarray(x)).astype(np_dtype, copy=False)
+
+
+def _in_host_memory(x: Any) -> bool:
+    """A numpy array, or a jax array on CPU devices: `np.asarray` of it is a view, not a copy, so the
+    stacked layers are sliced on the host (no per-layer device op)."""
+    if isinstance(x, np.ndarray):
+        return True
+    try:
+        return all(d.platform == "cpu" for d in x.devices())
+    except AttributeError:
+        return False
 
 
 class _TensorSource:

@@ -6,7 +6,8 @@
     engine.recover(models.iter_hf_tensors(cfg, params), step, trainer_logprobs=fn)  # after a fault
 
 `model_path` is the local checkpoint directory the servers loaded: the syncer checks names and shapes
-against its safetensors headers and sizes the canary from its `config.json`.
+against its safetensors headers and sizes the canary from its `config.json` (vocabulary) and the servers'
+KV block size.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import requests
 
 from rljax.rollout.client import ClientOptions, Completion, RolloutClient
 from rljax.rollout.server import ServerOptions, VLLMServer
-from rljax.weight_sync.canary import TrainerLogprobs, make_canary
+from rljax.weight_sync.canary import DEFAULT_BLOCK_SIZE, TrainerLogprobs, make_canary, server_block_size
 from rljax.weight_sync.gate import PolicyGate
 from rljax.weight_sync.syncer import SyncOptions, WeightSyncer
 from rljax.weight_sync.wire import read_checkpoint_spec
@@ -33,6 +34,12 @@ def served_model_name(url: str, timeout_s: float = 10.0) -> str:
     r = requests.get(url + "/v1/models", timeout=timeout_s)
     r.raise_for_status()
     return r.json()["data"][0]["id"]
+
+
+def canary_block_size(urls: Sequence[str]) -> int:
+    """The largest KV block size among the servers (what the canary's prompt must span), vLLM's largest
+    default where a server does not report it."""
+    return max(server_block_size(u) or DEFAULT_BLOCK_SIZE for u in urls)
 
 
 class VLLMEngine:
@@ -57,7 +64,7 @@ class VLLMEngine:
             self.urls,
             model,
             spec=read_checkpoint_spec(model_path),
-            canary=make_canary(vocab),
+            canary=make_canary(vocab, block_size=canary_block_size(self.urls)),
             gate=self.gate,
             options=sync_options,
         )

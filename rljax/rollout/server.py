@@ -9,6 +9,7 @@ process in its own process group, with:
 - `--weight-transfer-config {"backend": "shm"}`: rljax's host-staged backend, registered inside vLLM by
   the `vllm.general_plugins` entry point `rljax.weight_sync.vllm_plugin:register`;
 - `--logprobs-mode processed_logprobs`: the log-prob convention of `rljax.rollout.client`;
+- a KV block of 32 tokens (vLLM's CPU default is 128; the canary's prompt spans 2 blocks);
 - float32 weights, eager mode, its log in `<workdir>/vllm_server.log` (appended across restarts).
 
 `stop()` sends SIGTERM to the group and SIGKILL after a grace period; `restart()` keeps host and port.
@@ -39,6 +40,9 @@ class ServerOptions:
 
     dtype: str = "float32"
     max_model_len: int = 512
+    block_size: int | None = (
+        32  # KV-cache block (--block-size); None: vLLM's default (128 on CPU, 16 on CUDA)
+    )
     gpu_memory_utilization: float = 0.15  # on the CPU build: fraction of host RAM reserved
     kvcache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (CPU build only)
     weight_transfer_backend: str = "shm"
@@ -102,6 +106,8 @@ def server_command(model_path: str, host: str, port: int, options: ServerOptions
         json.dumps({"backend": options.weight_transfer_backend}),
         "--disable-uvicorn-access-log",
     ]
+    if options.block_size is not None:
+        cmd += ["--block-size", str(options.block_size)]
     if options.enforce_eager:
         cmd.append("--enforce-eager")
     return cmd + list(options.extra_args)

@@ -11,13 +11,16 @@ trainer's log-probs of each completion token at temperature 1, no truncation):
    sequence, computed without the prefix cache): a fixed, non-trivial completion behind `g`.
 
 The trainer scores `prompt + [g] + fixed[1:]` once, which covers both probes (its first value is `g`'s
-log-prob); that forward runs while the server answers probe 2. The prompt spans several KV blocks so
-probe 1 really hits the cache. Failure raises `CanaryError` with the max / mean absolute differences.
+log-prob); that forward runs while the server answers probe 2. The prompt spans 2 full KV blocks of the
+servers' block size (read from their `/metrics`, `server_block_size`) so probe 1 really hits the cache;
+a short prompt keeps the trainer's forward cheap (vLLM's CPU default of 128 costs a 512-token bucket).
+Failure raises `CanaryError` with the max / mean absolute differences.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,14 +43,45 @@ class CanarySpec:
     completion_ids: tuple[int, ...]
 
 
+DEFAULT_BLOCK_SIZE = 128  # vLLM's largest default KV block (its CPU build); used when a server's is unknown
+
+
+def canary_prompt_len(block_size: int) -> int:
+    """Prompt tokens that fill 2 full KV blocks of `block_size` plus a partial one: vLLM caches only full
+    blocks and always recomputes the last prompt token, so the greedy probe then reuses 2 cached blocks."""
+    return 2 * block_size + 8
+
+
 def make_canary(
-    vocab_size: int, *, prompt_len: int = 272, completion_len: int = 24, seed: int = 1234
+    vocab_size: int,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    prompt_len: int | None = None,
+    completion_len: int = 24,
+    seed: int = 1234,
 ) -> CanarySpec:
-    """Deterministic pseudo-random canary tokens in [1, vocab_size); 272 prompt tokens fill >= 2 KV blocks
-    of any block size up to 128, so the greedy probe reuses cached blocks."""
+    """Deterministic pseudo-random canary tokens in [1, vocab_size); the prompt is sized for the servers'
+    KV `block_size` (`canary_prompt_len`) unless `prompt_len` is given."""
+    if prompt_len is None:
+        prompt_len = canary_prompt_len(block_size)
     rng = np.random.default_rng(seed)
     ids = rng.integers(1, vocab_size, size=prompt_len + completion_len)
     return CanarySpec(tuple(int(t) for t in ids[:prompt_len]), tuple(int(t) for t in ids[prompt_len:]))
+
+
+_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.M)
+
+
+def server_block_size(url: str, timeout_s: float = 10.0) -> int | None:
+    """The KV-cache block size a vLLM server runs with (its `vllm:cache_config_info` Prometheus gauge),
+    or None if `/metrics` does not say (other servers, metrics off)."""
+    try:
+        r = requests.get(url + "/metrics", timeout=timeout_s)
+        r.raise_for_status()
+    except requests.RequestException:
+        return None
+    m = _BLOCK_SIZE.search(r.text)
+    return int(m.group(1)) if m else None
 
 
 def _post(url: str, body: dict, timeout_s: float) -> dict:
