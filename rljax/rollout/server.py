@@ -40,9 +40,7 @@ class ServerOptions:
 
     dtype: str = "float32"
     max_model_len: int = 512
-    block_size: int | None = (
-        32  # KV-cache block (--block-size); None: vLLM's default (128 on CPU, 16 on CUDA)
-    )
+    block_size: int | None = 32  # KV-cache block (--block-size); None: vLLM's default (128 on CPU)
     gpu_memory_utilization: float = 0.15  # on the CPU build: fraction of host RAM reserved
     kvcache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (CPU build only)
     weight_transfer_backend: str = "shm"
