@@ -216,7 +216,12 @@ def test_async_killed_resumes_bitwise_with_its_buffer(server, tmp_path):
     run_to_end(straight, server, EVERY_STEP, async_mode)
     workdir = tmp_path / "run"
     written, _ = kill_when(
-        workdir, server, lambda w: 4 in metrics_steps(w), "--config.checkpoint.every_steps=3", async_mode
+        workdir,
+        server,
+        # checkpoint 3 saves asynchronously: step 4 can finish before it is committed
+        lambda w: 4 in metrics_steps(w) and 3 in finished_steps(w),
+        "--config.checkpoint.every_steps=3",
+        async_mode,
     )
     assert 3 in finished_steps(workdir) and 4 in written
     buffered = json.loads((workdir / "checkpoints" / "3" / "extra" / "metadata").read_text())["buffer"]
