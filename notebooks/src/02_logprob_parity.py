@@ -132,9 +132,8 @@ def rljax_canary(prompt_ids, completion_ids):
     return local_logprobs(model_config, params, prompt_ids, completion_ids)
 
 
-canary = make_canary(
-    model_config.vocab_size
-)  # the sync's fixed tokens: compile the JAX side while vLLM starts
+# the sync's fixed tokens (sized for the server's KV block): compile the JAX side while vLLM starts
+canary = make_canary(model_config.vocab_size, block_size=server.options.block_size)
 rljax_canary(canary.prompt_ids, canary.completion_ids)
 t0 = time.perf_counter()
 server.wait_healthy(300)
