@@ -29,6 +29,7 @@ def apply_preset(cfg, preset):
     if preset == "qwen2.5-0.5b":
         cfg.model.path = ""  # must be given: --config.model.path=/path/to/Qwen2.5-0.5B-Instruct
         cfg.model.compute_dtype = "bfloat16"
+        cfg.model.remat = "full"
         cfg.rollout.max_tokens = 256
         cfg.rollout.batch_size = 256
         cfg.rollout.group_size = 8
@@ -41,4 +42,6 @@ def apply_preset(cfg, preset):
 
 
 def get_config(preset=None):
-    return apply_preset(default_config_dict(), preset)
+    cfg = default_config_dict()
+    cfg.model.remat = "none"  # the tiny model's activations are small; real checkpoints keep "full"
+    return apply_preset(cfg, preset)

@@ -67,7 +67,13 @@ class ModelConfig:
     path: str = "assets/tiny_arith"  # local HF checkpoint dir (config.json + *.safetensors + tokenizer)
     param_dtype: str = _choice("float32", "float32", "bfloat16")
     compute_dtype: str = _choice("float32", "float32", "bfloat16")
-    remat: bool = False
+    # Per-layer rematerialisation: a name in rljax.models.REMAT_POLICIES (none, full, dots_saveable, ...).
+    # "full" keeps only each layer's input for the backward pass: what long sequences on real models need.
+    remat: str = "full"
+    # A name in rljax.models.ATTENTION_IMPLS, or "auto" (GPU: cuDNN through jax.nn.dot_product_attention,
+    # TPU: Pallas splash attention, CPU: blockwise online-softmax attention in plain JAX).
+    attention_impl: str = "auto"
+    attention_block_size: int = 512  # query/key block of the blockwise attention (tokens)
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,10 @@ class MeshConfig:
     data: int = 1
     fsdp: int = -1  # -1: all remaining devices
     tensor: int = 1
+    # A mesh axis that does not divide a tensor dimension it shards is an error; true replicates that
+    # dimension over the axis instead (small test models on many devices).
+    allow_replication: bool = False
+    device_memory_gib: float = 0.0  # per-device memory budget for the compiled step; 0: the device's own
 
 
 @dataclass(frozen=True)
@@ -348,14 +358,23 @@ def _positive(cfg: Config) -> list[tuple[str, Any]]:
         ("reward.num_workers", cfg.reward.num_workers),
         ("checkpoint.every_steps", cfg.checkpoint.every_steps),
         ("checkpoint.keep_last", cfg.checkpoint.keep_last),
+        ("model.attention_block_size", cfg.model.attention_block_size),
         ("algo.is_cap", cfg.algo.is_cap),
     ]
 
 
 def _check_names(cfg: Config) -> None:
     from rljax import algos
+    from rljax.models.attention import ATTENTION_IMPLS
+    from rljax.models.remat import REMAT_POLICIES
 
+    if cfg.model.attention_impl != "auto" and cfg.model.attention_impl not in ATTENTION_IMPLS:
+        raise ConfigError(
+            "model.attention_impl",
+            f"unknown name {cfg.model.attention_impl!r}; valid: auto, {', '.join(ATTENTION_IMPLS.names())}",
+        )
     for key, registry, name in [
+        ("model.remat", REMAT_POLICIES, cfg.model.remat),
         ("algo.advantage", algos.ADVANTAGES, cfg.algo.advantage),
         ("algo.policy_loss", algos.POLICY_LOSSES, cfg.algo.policy_loss),
         ("algo.aggregation", algos.LOSS_AGGREGATIONS, cfg.algo.aggregation),
@@ -426,6 +445,10 @@ def validate(cfg: Config) -> Config:
             "reward.weights",
             f"needs one weight per reward function: {len(cfg.reward.functions)} functions, "
             f"{len(cfg.reward.weights)} weights",
+        )
+    if not cfg.mesh.device_memory_gib >= 0:
+        raise ConfigError(
+            "mesh.device_memory_gib", f"must be >= 0 (0: the device's own), got {cfg.mesh.device_memory_gib}"
         )
     _validate_mesh_sizes(cfg.mesh)
     _check_names(cfg)

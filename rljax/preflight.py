@@ -145,7 +145,7 @@ def estimate_train_memory(cfg: Config, shape: ModelShape, num_devices: int) -> d
     seq_len = cfg.rollout.vllm.max_model_len  # the longest length bucket
     scale = _DTYPE_BYTES[cfg.model.compute_dtype] / 2  # the reference formula counts 16-bit activations
     tokens, d = seqs * seq_len, shape.hidden
-    if cfg.model.remat:
+    if cfg.model.remat != "none":
         per_layer = 2 * tokens * d * scale
     else:
         per_layer = tokens * d * (34 + 5 * shape.heads * seq_len / d) * scale / sizes["tensor"]
@@ -175,7 +175,7 @@ def check_memory(cfg: Config, shape: ModelShape, num_devices: int, device_memory
     return [
         f"memory: the trainer needs ~{total / GIB:.2f} GiB per device ({detail}){vllm}, but a device has "
         f"{device_memory_bytes / GIB:.2f} GiB; shard more (mesh.fsdp/tensor), lower "
-        "trainer.micro_batch_size, or set model.remat=True"
+        "trainer.micro_batch_size, or set model.remat=full"
     ]
 
 

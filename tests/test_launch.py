@@ -133,7 +133,7 @@ def test_config_from_args_equals_rljax_main_flags():
         "--config.algo.beta=0.05",
         "--config.rollout.vllm.urls",
         "('http://a:1', 'http://b:2')",
-        "--config.model.remat=true",
+        "--config.model.remat=full",
         "--workdir=/tmp/unused",
     ]
     code = (

@@ -139,7 +139,7 @@ def test_remat_gives_identical_logits_and_gradients(tiny):
     import dataclasses
 
     config, params, _ = tiny["qwen3", False]
-    remat = dataclasses.replace(config, remat=True)
+    remat = dataclasses.replace(config, remat="full")
     ids = rand_ids(3)
 
     def loss(cfg, p):

@@ -159,7 +159,7 @@ def test_rollout_budget_too_small_for_weights(tmp_path):
 
 
 def test_memory_estimate_parts_by_hand(qwen):
-    cfg = make_cfg(qwen, trainer={"micro_batch_size": 8}, model={"remat": True})
+    cfg = make_cfg(qwen, trainer={"micro_batch_size": 8}, model={"remat": "full"})
     parts = preflight.estimate_train_memory(cfg, preflight.read_model_shape(qwen), num_devices=8)
     assert parts["params"] == 494_032_768 * 4 / 8  # float32, sharded over fsdp=8
     assert parts["optimizer"] == 2 * parts["params"] and parts["grads"] == parts["params"]

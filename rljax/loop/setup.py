@@ -135,7 +135,11 @@ def load_policy(cfg: Config, mesh) -> tuple[Any, Any, Any]:
         cfg.model.path, dtype=jnp.dtype(cfg.model.param_dtype), mesh=mesh
     )
     model_config = dataclasses.replace(
-        model_config, compute_dtype=cfg.model.compute_dtype, remat=cfg.model.remat
+        model_config,
+        compute_dtype=cfg.model.compute_dtype,
+        remat=cfg.model.remat,
+        attention_impl=cfg.model.attention_impl,
+        attention_block_size=cfg.model.attention_block_size,
     )
     return model_config, params, models.load_tokenizer(cfg.model.path)
 

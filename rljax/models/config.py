@@ -57,7 +57,9 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
-    remat: bool = False
+    remat: str = "none"  # a name in rljax.models.REMAT_POLICIES, applied to the scanned layer body
+    attention_impl: str = "auto"  # a name in rljax.models.ATTENTION_IMPLS, or "auto" (by backend)
+    attention_block_size: int = 512  # query/key block of the blockwise attention
     hf_config_json: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
@@ -77,7 +79,7 @@ class ModelConfig:
         *,
         param_dtype: str | None = None,
         compute_dtype: str | None = None,
-        remat: bool = False,
+        remat: str = "none",
     ) -> ModelConfig:
         """Parses a Hugging Face `config.json` dict. `param_dtype` defaults to the checkpoint's dtype
         (float32 when absent), `compute_dtype` to `param_dtype`. Unknown architectures and unsupported

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from rljax.models import layers
 from rljax.models.config import ModelConfig, rope_inv_freq
 from rljax.models.params import unembed_matrix
+from rljax.models.remat import remat_layer
 
 
 def _qkv(config: ModelConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):
@@ -63,9 +64,7 @@ def _run_layers(config: ModelConfig, params: dict, x, rope, mask, cache_kv=None,
         x, kv = _layer(config, lp, x, rope, mask, kv, write_index)
         return x, kv
 
-    if config.remat:
-        body = jax.checkpoint(body, prevent_cse=False)
-    return jax.lax.scan(body, x, (params["layers"], cache_kv))
+    return jax.lax.scan(remat_layer(config.remat, body), x, (params["layers"], cache_kv))
 
 
 def _embed(config: ModelConfig, params: dict, input_ids: jax.Array) -> jax.Array:

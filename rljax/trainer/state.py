@@ -96,6 +96,8 @@ def resolve_model_config(cfg: Config, model_config: models.ModelConfig) -> model
         param_dtype=cfg.model.param_dtype,
         compute_dtype=cfg.model.compute_dtype,
         remat=cfg.model.remat,
+        attention_impl=cfg.model.attention_impl,
+        attention_block_size=cfg.model.attention_block_size,
     )
 
 
