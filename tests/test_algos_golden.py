@@ -287,6 +287,19 @@ def test_aggregation_golden(name, default, given):
     assert np.isfinite(grad).all() and (np.asarray(grad)[AGG_MASK == 0] == 0).all()
 
 
+def test_drgrpo_aggregation_is_independent_of_the_padded_width():
+    # The AGG rows padded from 4 to 8 columns: with max_len the generation budget (say 8), 17 / (3 * 8)
+    # = 17/24 at both widths; each token's gradient is 1/24. The default (this batch's T) is not
+    # constant: 17/12 at width 4, 17/24 at width 8.
+    fn = algos.LOSS_AGGREGATIONS.get("seq_mean_token_sum_norm")
+    wide_loss, wide_mask = (jnp.pad(x, ((0, 0), (0, 4))) for x in (AGG_LOSS, AGG_MASK))
+    for loss, mask in [(AGG_LOSS, AGG_MASK), (wide_loss, wide_mask)]:
+        np.testing.assert_allclose(fn(loss, mask, max_len=8), 17 / 24, **TOL)
+        grad = np.asarray(jit_grad(lambda x, m=mask: fn(x, m, max_len=8))(loss))
+        np.testing.assert_allclose(grad, np.asarray(mask) / 24, **TOL)
+    np.testing.assert_allclose([fn(AGG_LOSS, AGG_MASK), fn(wide_loss, wide_mask)], [17 / 12, 17 / 24], **TOL)
+
+
 def test_entropy_golden():
     # logits [ln 3, 0] -> p = [3/4, 1/4]: H = .75 ln(4/3) + .25 ln 4 = .215762 + .346574 = .562335;
     # uniform over 4 -> ln 4 = 1.386294.
