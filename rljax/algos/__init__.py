@@ -5,13 +5,13 @@ Variants live in registries, resolved by name when a step is built (`ADVANTAGES.
     POLICY_LOSSES      fn(logp, old_logp, advantages, mask, **options) -> (per_token f32[B,T], metrics)
     KL_ESTIMATORS      fn(logp, ref_logp) -> f32[B,T]
     LOSS_AGGREGATIONS  fn(per_token, mask, *, num_tokens, num_seqs, max_len) -> f32[]
-Plain functions: `gae`, `masked_whiten`, `value_loss`, `importance_weights`, `dynamic_sampling_mask`,
-`overlong_penalty`, `token_entropy`, `entropy_bonus`.
+Plain functions: `advantage_options`, `gae`, `masked_whiten`, `value_loss`, `importance_weights`,
+`dynamic_sampling_mask`, `overlong_penalty`, `token_entropy`, `entropy_bonus`.
 Imports only jax/numpy and rljax.registry (see tests/test_layering.py).
 """
 
 from ._masked import LOG_RATIO_CLAMP
-from .advantages import ADVANTAGES, drgrpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo
+from .advantages import ADVANTAGES, advantage_options, drgrpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo
 from .aggregation import (
     LOSS_AGGREGATIONS,
     entropy_bonus,
@@ -33,6 +33,7 @@ __all__ = [
     "LOG_RATIO_CLAMP",
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
+    "advantage_options",
     "clipped_objective",
     "drgrpo",
     "dynamic_sampling_mask",
