@@ -85,3 +85,10 @@ def test_an_option_without_default_that_is_not_offered_raises():
 
     with pytest.raises(ValueError, match=r"needs_tau needs options \['tau'\]; offered: \['eps'\]"):
         algos.advantage_options(needs_tau, {"eps": 0.1})
+
+
+@pytest.mark.parametrize("field,registry", [("is_level", algos.IS_LEVELS), ("is_mode", algos.IS_MODES)])
+def test_config_choices_are_the_registered_importance_weight_members(field, registry):
+    # The config lists its choices (for the one-line error at parse time); they must be the registry's.
+    choices = {f.name: f for f in dataclasses.fields(Config().algo)}[field].metadata["choices"]
+    assert sorted(choices) == registry.names()

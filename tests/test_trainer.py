@@ -225,3 +225,22 @@ def test_drgrpo_loss_and_gradient_do_not_depend_on_the_padded_width(ref):
     # Same rows, same math; only the reduction lengths of the padded attention differ (float32 rounding).
     assert C.max_rel_diff(g64, g32) <= 1e-6
     assert max(np.abs(x).max() for x in jax.tree.leaves(g32)) > 1e-4  # a gradient to compare
+
+
+def test_geometric_is_level_reaches_the_step(ref):
+    # is/weight_* from the step against numpy: each row's weight is exp(mean over its loss tokens of the
+    # clamped old - behaviour log-ratio), the same for all of the row's tokens.
+    cfg = C.with_fields(ref.cfg, algo__is_level="geometric")
+    _, metrics = make_grad_fn(cfg, ref.model_config, ref.mesh)(
+        fresh_state(ref, cfg).params, trainer.shard_batch(ref.batch, ref.mesh)
+    )
+    mask = ref.batch.inputs.loss_mask
+    log_ratio = np.clip((ref.batch.old_logp - ref.batch.inputs.behavior_logp) * mask, -20, 20)
+    row_w = np.exp(log_ratio.sum(1) / mask.sum(1))
+    np.testing.assert_allclose(float(metrics["is/weight_max"]), row_w.max(), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(metrics["is/weight_mean"]), (row_w * mask.sum(1)).sum() / mask.sum(), rtol=1e-6
+    )
+    capped = (row_w > cfg.algo.is_cap) * mask.sum(1)
+    np.testing.assert_allclose(float(metrics["is/frac_capped"]), capped.sum() / mask.sum(), rtol=1e-6)
+    assert float(metrics["is/weight_max"]) < ref.metrics["is/weight_max"]  # a row mean is below its max
