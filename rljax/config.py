@@ -49,7 +49,7 @@ class AlgoConfig:
     beta: float = 0.0  # KL-to-reference coefficient; 0 means no reference policy is computed
     kl_estimator: str = "k3"  # a name in rljax.algos.KL_ESTIMATORS
     entropy_coef: float = 0.0
-    is_level: str = _choice("token", "none", "token", "sequence")  # trainer-vs-rollout IS correction
+    is_level: str = _choice("token", "none", "token", "sequence", "geometric")  # rljax.algos.IS_LEVELS
     is_mode: str = _choice("truncate", "truncate", "mask")
     is_cap: float = 2.0
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards all agree, refill from new prompts
