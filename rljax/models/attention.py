@@ -51,9 +51,11 @@ def sdpa_attention(
     jax 0.10.2's public function takes a causal flag, per-row lengths (`query_seq_lengths`: padding at
     the end of a row only) and a dense boolean mask; packed segments and left padding need the mask.
     cuDNN turns it into an additive bias `[B,1,T,S]` in the input dtype (2 bytes per query-key pair per
-    row, shared by all heads, vs 4 bytes per pair per head for the materialized scores) and never
-    builds the per-head scores. With T == S (self-attention) `is_causal` lets cuDNN skip the blocks above
-    the diagonal. `implementation="xla"` runs the same call's math anywhere (the CPU parity test).
+    row, shared by all heads, vs 4 bytes per pair per head for the materialized scores; its backward
+    also returns a bias gradient of that shape) and never builds the per-head scores. cuDNN's own
+    packed layout (per-segment offsets, no mask) is reachable only through `jax._src.cudnn`.
+    With T == S (self-attention) `is_causal` lets cuDNN skip the blocks above the diagonal.
+    `implementation="xla"` runs the same call's math anywhere (the CPU parity test).
 
     References: Dao 2023, FlashAttention-2 (arXiv:2307.08691); `jax.nn.dot_product_attention`.
     """
