@@ -4,6 +4,7 @@ Plain jnp functions over a params dict (no Module objects): `forward(config, par
 jit-able with the hashable `ModelConfig` static. See `params.py` for the parameter table.
 """
 
+from rljax.models.attention import ATTENTION_IMPLS, resolve_attention_impl
 from rljax.models.config import FAMILIES, ROPE_TYPES, ModelConfig, RopeScaling, rope_inv_freq
 from rljax.models.decoder import (
     decode_step,
@@ -21,9 +22,12 @@ from rljax.models.hf import (
     save_hf_checkpoint,
 )
 from rljax.models.params import abstract_params, init_params, param_logical_axes, unembed_matrix
+from rljax.models.remat import REMAT_POLICIES
 
 __all__ = [
+    "ATTENTION_IMPLS",
     "FAMILIES",
+    "REMAT_POLICIES",
     "ROPE_TYPES",
     "ModelConfig",
     "RopeScaling",
@@ -40,6 +44,7 @@ __all__ = [
     "logits_from_hidden",
     "param_logical_axes",
     "prefill",
+    "resolve_attention_impl",
     "rope_inv_freq",
     "save_hf_checkpoint",
     "unembed_matrix",

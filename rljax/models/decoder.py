@@ -1,7 +1,9 @@
 """The decoder forward pass (Qwen2/Qwen2.5, Qwen3, Llama 3) and its KV-cache prefill/decode path.
 
 Pure functions of `(config, params, ...)`, jit-able with `config` static. Layers are stacked and run
-with `jax.lax.scan` (optionally rematerialised per layer). Dtype policy: params are cast to
+with `jax.lax.scan` (rematerialised per layer by `config.remat`, a `REMAT_POLICIES` name). Attention is
+`config.attention_impl` from `ATTENTION_IMPLS`, given the mask as slots and segment ids (no `[B,T,S]`
+mask is built here; "auto" resolves by backend when the function is traced). Dtype policy: params are cast to
 `config.compute_dtype` where used (so float32 master params with bfloat16 compute work); the residual
 stream is kept in the compute dtype, as in the Hugging Face and vLLM references; norms, RoPE and the
 softmax run in float32; logits and the returned hidden states are float32.
@@ -9,12 +11,15 @@ softmax run in float32; logits and the returned hidden states are float32.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from rljax.models import layers
+from rljax.models.attention import ATTENTION_IMPLS, resolve_attention_impl
 from rljax.models.config import ModelConfig, rope_inv_freq
 from rljax.models.params import unembed_matrix
 from rljax.models.remat import remat_layer
@@ -36,9 +41,24 @@ def _qkv(config: ModelConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.A
     return layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin), v
 
 
-def _layer(config: ModelConfig, lp: dict, x: jax.Array, rope, mask, kv=None, write_index=None):
-    """One pre-norm block on the residual `x [B,T,d]`. With `kv` (cache k/v `[B,S,K,hd]`) the new keys
-    and values are written at `write_index` and attention runs over the cache. Returns (x, kv)."""
+def _attention(config: ModelConfig, q_slots, k_slots, q_segments, k_segments) -> Callable:
+    """`attn(q, k, v)`: the configured implementation (`ATTENTION_IMPLS`) bound to the mask description
+    (slots i32[T] / i32[S], segments i32[B,T] / i32[B,S]; see `rljax.models.attention`)."""
+    impl = ATTENTION_IMPLS.get(resolve_attention_impl(config.attention_impl, config.compute_dtype))
+    return functools.partial(
+        impl,
+        q_slots=q_slots,
+        k_slots=k_slots,
+        q_segments=q_segments,
+        k_segments=k_segments,
+        block_size=config.attention_block_size,
+    )
+
+
+def _layer(config: ModelConfig, lp: dict, x: jax.Array, rope, attn, kv=None, write_index=None):
+    """One pre-norm block on the residual `x [B,T,d]`; `attn(q, k, v)` from `_attention`. With `kv`
+    (cache k/v `[B,S,K,hd]`) the new keys and values are written at `write_index` and attention runs
+    over the cache. Returns (x, kv)."""
     eps, dtype = config.rms_norm_eps, x.dtype
     h = layers.rms_norm(x, lp["attn_norm"]["scale"], eps, dtype)
     q, k, v = _qkv(config, lp, h, *rope)
@@ -46,8 +66,7 @@ def _layer(config: ModelConfig, lp: dict, x: jax.Array, rope, mask, kv=None, wri
         k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), write_index, axis=1)
         v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), write_index, axis=1)
         kv = (k, v)
-    attn = layers.attend(q, k, v, mask)
-    o = jnp.einsum("btnk,nkd->btd", attn, lp["o_proj"]["kernel"].astype(dtype))
+    o = jnp.einsum("btnk,nkd->btd", attn(q, k, v), lp["o_proj"]["kernel"].astype(dtype))
     if config.attention_out_bias:
         o = o + lp["o_proj"]["bias"].astype(dtype)
     x = x + o
@@ -56,12 +75,12 @@ def _layer(config: ModelConfig, lp: dict, x: jax.Array, rope, mask, kv=None, wri
     return x + mlp, kv
 
 
-def _run_layers(config: ModelConfig, params: dict, x, rope, mask, cache_kv=None, write_index=None):
+def _run_layers(config: ModelConfig, params: dict, x, rope, attn, cache_kv=None, write_index=None):
     """Scans `_layer` over the stacked layer params (and the stacked cache `[L,B,S,K,hd]`)."""
 
     def body(x, xs):
         lp, kv = xs
-        x, kv = _layer(config, lp, x, rope, mask, kv, write_index)
+        x, kv = _layer(config, lp, x, rope, attn, kv, write_index)
         return x, kv
 
     return jax.lax.scan(remat_layer(config.remat, body), x, (params["layers"], cache_kv))
@@ -97,9 +116,9 @@ def hidden_states(
     """
     positions, segment_ids = _defaults(input_ids, positions, segment_ids)
     slots = jnp.arange(input_ids.shape[1], dtype=jnp.int32)
-    mask = layers.attention_mask(slots, slots, segment_ids, segment_ids)
+    attn = _attention(config, slots, slots, segment_ids, segment_ids)
     rope = layers.rope_angles(jnp.asarray(rope_inv_freq(config)), positions)
-    x, _ = _run_layers(config, params, _embed(config, params, input_ids), rope, mask)
+    x, _ = _run_layers(config, params, _embed(config, params, input_ids), rope, attn)
     return layers.rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps, jnp.float32)
 
 
@@ -149,10 +168,10 @@ def _cached_forward(config, params, cache, input_ids, positions, segment_ids):
     index = cache["index"]
     seg_all = jax.lax.dynamic_update_slice_in_dim(cache["segment_ids"], segment_ids, index, axis=1)
     q_slots = index + jnp.arange(t, dtype=jnp.int32)
-    mask = layers.attention_mask(q_slots, jnp.arange(max_len, dtype=jnp.int32), segment_ids, seg_all)
+    attn = _attention(config, q_slots, jnp.arange(max_len, dtype=jnp.int32), segment_ids, seg_all)
     rope = layers.rope_angles(jnp.asarray(rope_inv_freq(config)), positions)
     x = _embed(config, params, input_ids)
-    x, (k, v) = _run_layers(config, params, x, rope, mask, (cache["k"], cache["v"]), index)
+    x, (k, v) = _run_layers(config, params, x, rope, attn, (cache["k"], cache["v"]), index)
     hidden = layers.rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps, jnp.float32)
     new_cache = {
         "k": k,
