@@ -1,0 +1,142 @@
+"""Sequence packing: a batch of one-sequence rows -> rows of a fixed token budget, balanced over ranks.
+
+The loop hands the trainer the loss-input contract (`LossInputs`, one sampled sequence per row, padded on
+the host). With `trainer.tokens_per_micro_batch = N > 0` the trainer repacks it before it goes to the
+devices: whole sequences are placed first-fit-decreasing into rows of exactly N tokens, each with its
+own segment id (1, 2, ... within the row; 0 is padding) and positions restarting at 0, so attention,
+RoPE and every loss reduction stay per sequence. A micro-batch is then one packed row per data-parallel
+device, so the activations of a step are those of N tokens per device, whatever the rollout lengths.
+
+Per-sequence fields (advantages, rewards, group ids, policy versions) become per-token `[R, N]` arrays
+holding their sequence's value (0 on padding); the aggregations and sequence-level ratios reduce over
+segments (`rljax.algos` take `segment_ids`), so a packed batch gives the same loss as the unpacked one.
+
+Rows are dealt to the data-parallel ranks so each rank holds about the same number of real tokens, and
+their count is rounded up (with empty rows) to a multiple of ranks x minibatches, the layout
+`trainer.accumulate.split_micro_batches` expects: device d's contiguous block holds one row of each
+micro-batch.
+
+Host-side numpy only; deterministic (the same batch packs the same way on every process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from rljax.types import SEQUENCE_FIELDS, TOKEN_FIELDS, LossInputs, validate_loss_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingPlan:
+    """Which source rows go where. `rows[r]` lists the source rows packed, in order, into packed row r
+    (an empty tuple is a padding row); `row_len` is the packed row length N."""
+
+    rows: tuple[tuple[int, ...], ...]
+    row_len: int
+
+
+def first_fit_decreasing(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+    """Bins of source indices whose lengths sum to <= row_len: longest first, each into the first bin
+    with room (ties broken by index, so the result is deterministic)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = int(lengths[i])
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(row_len - n)
+    return bins
+
+
+def balance_over_ranks(bins: list[list[int]], fills: list[int], num_ranks: int) -> list[list[int]]:
+    """Bins (count a multiple of num_ranks) dealt to ranks, each rank the same number of bins and about
+    the same number of tokens: fullest bin first, to the rank with the fewest tokens that has room
+    (longest-processing-time rule). Returns the bins in rank order (rank r's are a contiguous block)."""
+    per_rank = len(bins) // num_ranks
+    ranks: list[list[int]] = [[] for _ in range(num_ranks)]
+    tokens = [0] * num_ranks
+    for b in sorted(range(len(bins)), key=lambda b: (-fills[b], b)):
+        open_ranks = [r for r in range(num_ranks) if len(ranks[r]) < per_rank]
+        r = min(open_ranks, key=lambda r: (tokens[r], r))
+        ranks[r].append(b)
+        tokens[r] += fills[b]
+    return [bins[b] for rank in ranks for b in rank]
+
+
+def plan_packing(
+    lengths: Sequence[int], *, row_len: int, num_ranks: int = 1, rows_multiple: int = 1
+) -> PackingPlan:
+    """PackingPlan for sequences of `lengths` tokens into rows of `row_len`, the row count rounded up to
+    a multiple of `rows_multiple` (itself a multiple of `num_ranks`) with empty rows, balanced over ranks.
+
+    Raises ValueError for a sequence longer than a row (it could only be split, which would change its
+    attention and its per-sequence loss).
+    """
+    if rows_multiple % num_ranks:
+        raise ValueError(f"rows_multiple={rows_multiple} is not a multiple of num_ranks={num_ranks}")
+    too_long = [int(n) for n in lengths if n > row_len]
+    if too_long:
+        raise ValueError(
+            f"a sequence of {max(too_long)} tokens does not fit a packed row of "
+            f"trainer.tokens_per_micro_batch={row_len}; raise it to at least the longest sequence "
+            "(prompt + rollout.max_tokens)"
+        )
+    bins = first_fit_decreasing(lengths, row_len)
+    bins += [[] for _ in range(-len(bins) % rows_multiple)]
+    fills = [sum(int(lengths[i]) for i in b) for b in bins]
+    ordered = balance_over_ranks(bins, fills, num_ranks)
+    return PackingPlan(rows=tuple(tuple(b) for b in ordered), row_len=row_len)
+
+
+def sequence_lengths(batch: LossInputs) -> np.ndarray:
+    """i32[B]: the real (non-padding) positions of each one-sequence row."""
+    return (np.asarray(batch.segment_ids) > 0).sum(axis=1).astype(np.int32)
+
+
+def pack_loss_inputs(batch: LossInputs, plan: PackingPlan) -> LossInputs:
+    """The packed LossInputs `[R, N]` of a one-sequence-per-row batch (see the module docstring).
+
+    Token fields are copied segment by segment (segment ids 1, 2, ... per row; each sequence keeps its
+    positions, which start at 0);
+    sequence fields become per-token `[R, N]`. The result is validated (packed form) before it is returned.
+    """
+    src = {name: np.asarray(getattr(batch, name)) for name in TOKEN_FIELDS + SEQUENCE_FIELDS}
+    real = np.asarray(batch.segment_ids) > 0
+    shape = (len(plan.rows), plan.row_len)
+    out = {name: np.zeros(shape, src[name].dtype) for name in TOKEN_FIELDS + SEQUENCE_FIELDS}
+    for r, members in enumerate(plan.rows):
+        offset = 0
+        for seg, b in enumerate(members, start=1):
+            keep = real[b]
+            n = int(keep.sum())
+            sl = slice(offset, offset + n)
+            for name in TOKEN_FIELDS:
+                out[name][r, sl] = src[name][b][keep]
+            out["segment_ids"][r, sl] = seg
+            for name in SEQUENCE_FIELDS:
+                out[name][r, sl] = src[name][b]
+            offset += n
+    packed = dataclasses.replace(batch, **out)
+    return validate_loss_inputs(packed)
+
+
+def padding_fraction(batch: LossInputs) -> float:
+    """Padded positions / positions processed (`batch/pad_fraction`) of a packed or unpacked batch."""
+    seg = np.asarray(batch.segment_ids)
+    return float(1.0 - (seg > 0).sum() / max(seg.size, 1))
+
+
+def rank_token_imbalance(batch: LossInputs, num_ranks: int) -> float:
+    """max / mean real tokens over the data-parallel ranks' contiguous row blocks (1.0 = balanced)."""
+    seg = np.asarray(batch.segment_ids)
+    per_rank = (seg > 0).reshape(num_ranks, -1).sum(axis=1).astype(np.float64)
+    return float(per_rank.max() / max(per_rank.mean(), 1.0))
