@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import json
 import os
 import typing
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ class AlgoConfig:
     beta: float = 0.0  # KL-to-reference coefficient; 0 means no reference policy is computed
     kl_estimator: str = "k3"  # a name in rljax.algos.KL_ESTIMATORS
     entropy_coef: float = 0.0
-    is_level: str = _choice("token", "none", "token", "sequence")  # trainer-vs-rollout IS correction
+    is_level: str = _choice("token", "none", "token", "sequence", "geometric")  # rljax.algos.IS_LEVELS
     is_mode: str = _choice("truncate", "truncate", "mask")
     is_cap: float = 2.0
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards all agree, refill from new prompts
@@ -490,7 +491,10 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
 
 
 def validate_runtime(cfg: Config, num_devices: int) -> dict[str, int]:
-    """Checks that need the machine: mesh vs device count and the model directory. Returns mesh sizes."""
+    """Checks that need the machine, before anything is allocated: mesh vs device count, the model
+    directory, the micro-batch vs data parallelism and (unless `mesh.allow_replication`) that every mesh
+    axis divides each dimension the sharding rules give it (`check_mesh_divides_model`). Returns mesh
+    sizes."""
     sizes = mesh_shape(cfg.mesh, num_devices)
     path = cfg.model.path
     if not os.path.isdir(path):
@@ -505,4 +509,44 @@ def validate_runtime(cfg: Config, num_devices: int) -> dict[str, int]:
             "trainer.micro_batch_size",
             f"the micro-batch of {micro} sequences is not divisible by data*fsdp = {data_parallel}",
         )
+    if not cfg.mesh.allow_replication:
+        check_mesh_divides_model(read_model_config(path), sizes)
     return sizes
+
+
+# rljax.models (and so JAX) is imported inside the two functions below, not at the top: rljax.config is
+# read by the CLI before it sets the platform and device-count flags that JAX reads (rljax.runtime).
+def read_model_config(path: str) -> Any:
+    """The `rljax.models.ModelConfig` (shapes only, no weights) of the checkpoint's `config.json`."""
+    from rljax import models
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return models.ModelConfig.from_hf_dict(json.load(f))
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError("model.path", f"{path}/config.json: {type(e).__name__}: {e}") from e
+
+
+def check_mesh_divides_model(model_config: Any, sizes: dict[str, int]) -> None:
+    """ConfigError naming `mesh.<axis>` (or `mesh` when several fail) when a mesh axis of size > 1 does not
+    divide a dimension the logical rules shard on it, for every parameter (`param_logical_axes`) and the
+    attention activations sharded over heads (`attention.queries`, per token `[H, head_dim]`) and KV
+    heads (`attention.keys`, `attention.values`: `[K, head_dim]`). One line per tensor, with the valid
+    sizes (`rljax.sharding.check_divisibility`). `sizes`: resolved {data, fsdp, tensor}."""
+    from rljax import models, sharding
+
+    c = model_config
+    attention = {
+        "queries": sharding.LogicalAxes(("heads", "head_dim"), (c.num_heads, c.head_dim)),
+        "keys": sharding.LogicalAxes(("kv", "head_dim"), (c.num_kv_heads, c.head_dim)),
+        "values": sharding.LogicalAxes(("kv", "head_dim"), (c.num_kv_heads, c.head_dim)),
+    }
+    problems = sharding.divisibility_problems({**models.param_logical_axes(c), "attention": attention}, sizes)
+    if not problems:
+        return
+    axes = sorted({p.axis for p in problems}, key=list(sizes).index)
+    raise ConfigError(
+        f"mesh.{axes[0]}" if len(axes) == 1 else "mesh",
+        "; ".join(map(str, problems))
+        + " (set mesh.allow_replication=true to replicate these dimensions over the mesh axis instead)",
+    )

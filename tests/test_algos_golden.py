@@ -287,6 +287,19 @@ def test_aggregation_golden(name, default, given):
     assert np.isfinite(grad).all() and (np.asarray(grad)[AGG_MASK == 0] == 0).all()
 
 
+def test_drgrpo_aggregation_is_independent_of_the_padded_width():
+    # The AGG rows padded from 4 to 8 columns: with max_len the generation budget (say 8), 17 / (3 * 8)
+    # = 17/24 at both widths; each token's gradient is 1/24. The default (this batch's T) is not
+    # constant: 17/12 at width 4, 17/24 at width 8.
+    fn = algos.LOSS_AGGREGATIONS.get("seq_mean_token_sum_norm")
+    wide_loss, wide_mask = (jnp.pad(x, ((0, 0), (0, 4))) for x in (AGG_LOSS, AGG_MASK))
+    for loss, mask in [(AGG_LOSS, AGG_MASK), (wide_loss, wide_mask)]:
+        np.testing.assert_allclose(fn(loss, mask, max_len=8), 17 / 24, **TOL)
+        grad = np.asarray(jit_grad(lambda x, m=mask: fn(x, m, max_len=8))(loss))
+        np.testing.assert_allclose(grad, np.asarray(mask) / 24, **TOL)
+    np.testing.assert_allclose([fn(AGG_LOSS, AGG_MASK), fn(wide_loss, wide_mask)], [17 / 12, 17 / 24], **TOL)
+
+
 def test_entropy_golden():
     # logits [ln 3, 0] -> p = [3/4, 1/4]: H = .75 ln(4/3) + .25 ln 4 = .215762 + .346574 = .562335;
     # uniform over 4 -> ln 4 = 1.386294.
@@ -309,6 +322,7 @@ def test_entropy_golden():
 # trainer - behaviour log-ratios: row 0 [ln .5, ln 3, ln 1.5], row 1 [ln 1.8, ln .25, (off mask)]; cap 2.
 IS_RATIOS = np.array([[0.5, 3.0, 1.5], [1.8, 0.25, 7.0]])
 IS_MASK = jnp.array([[1.0, 1, 1], [1, 1, 0]])
+G0, G1 = 2.25 ** (1 / 3), math.sqrt(0.45)  # the rows' geometric-mean ratios: 1.310371, .670820
 
 
 def _is(level, mode):
@@ -328,6 +342,10 @@ def _is(level, mode):
         # mean (3*2.25 + 2*.45)/5 = 1.53, max 2.25, 3 of 5 tokens capped.
         ("sequence", "truncate", [[2.0, 2.0, 2.0], [0.45, 0.45, 0]], 1.53, 2.25, 0.6),
         ("sequence", "mask", [[0.0, 0.0, 0.0], [0.45, 0.45, 0]], 1.53, 2.25, 0.6),
+        # geometric: geometric means 2.25^(1/3) = 1.310371 (row 0) and sqrt(.45) = .670820 (row 1), none
+        # capped; mean (3*1.310371 + 2*.670820)/5 = 5.272754/5 = 1.054551, max 1.310371.
+        ("geometric", "truncate", [[G0, G0, G0], [G1, G1, 0]], (3 * G0 + 2 * G1) / 5, G0, 0.0),
+        ("geometric", "mask", [[G0, G0, G0], [G1, G1, 0]], (3 * G0 + 2 * G1) / 5, G0, 0.0),
         # none: weight 1 on the mask.
         ("none", "truncate", [[1.0, 1.0, 1.0], [1.0, 1.0, 0]], 1.0, 1.0, 0.0),
     ],
@@ -340,15 +358,38 @@ def test_importance_weights_golden(level, mode, weights, mean, max_, frac):
     )
 
 
+def test_geometric_level_does_not_saturate_on_long_answers():
+    # Row 0: 64 tokens, each log-ratio +.5 -> product exp(32), clamped to exp(20) and capped at 2;
+    # geometric exp(.5) = 1.648721. Row 1: 4 tokens at -.25 (then padding) -> product exp(-1) = .367879,
+    # geometric exp(-.25) = .778801. Cap 2, truncate.
+    mask = jnp.zeros((2, 64)).at[0].set(1.0).at[1, :4].set(1.0)
+    behavior = jnp.full((2, 64), -2.0)
+    trainer = behavior + jnp.where(jnp.arange(2)[:, None] == 0, 0.5, -0.25) * mask
+    weights = {
+        level: algos.importance_weights(trainer, behavior, mask, level=level, mode="truncate", cap=2.0)
+        for level in ("sequence", "geometric")
+    }
+    (seq_w, seq_m), (geo_w, geo_m) = weights["sequence"], weights["geometric"]
+    np.testing.assert_allclose(seq_w[:, 0], [2.0, math.exp(-1)], **TOL)
+    np.testing.assert_allclose(seq_m["is_weight_max"], math.exp(20), **TOL)
+    np.testing.assert_allclose(geo_w[:, 0], [math.exp(0.5), math.exp(-0.25)], **TOL)
+    np.testing.assert_allclose(geo_w, np.asarray(geo_w[:, :1]) * np.asarray(mask), **TOL)  # per row, 0 off
+    np.testing.assert_allclose([seq_m["is_frac_capped"], geo_m["is_frac_capped"]], [64 / 68, 0.0], **TOL)
+
+
 def test_importance_weights_are_stop_gradient_and_validated():
-    f = lambda lp: algos.importance_weights(
-        lp, jnp.zeros((1, 2)), jnp.ones((1, 2)), level="token", mode="truncate", cap=2.0
-    )[0].sum()
-    np.testing.assert_array_equal(jit_grad(f)(jnp.array([[0.1, -0.2]])), [[0.0, 0.0]])
-    with pytest.raises(ValueError, match="level"):
-        algos.importance_weights(
-            jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1, 2)), level="seq", mode="mask", cap=2.0
-        )
+    for level in algos.IS_LEVELS.names():
+        f = lambda lp, level=level: algos.importance_weights(
+            lp, jnp.zeros((1, 2)), jnp.ones((1, 2)), level=level, mode="truncate", cap=2.0
+        )[0].sum()
+        np.testing.assert_array_equal(jit_grad(f)(jnp.array([[0.1, -0.2]])), [[0.0, 0.0]])
+    args = (jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1, 2)))
+    with pytest.raises(KeyError, match="importance-weight level 'seq'.*geometric, none, sequence, token"):
+        algos.importance_weights(*args, level="seq", mode="mask", cap=2.0)
+    with pytest.raises(KeyError, match="importance-weight mode 'clip'.*mask, truncate"):
+        algos.importance_weights(*args, level="token", mode="clip", cap=2.0)
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        algos.importance_weights(*args, level="token", mode="mask", cap=0.0)
 
 
 # --------------------------------------------------------------------------------------------- DAPO

@@ -16,6 +16,8 @@ REGISTRIES = {
     "POLICY_LOSSES": algos.POLICY_LOSSES,
     "KL_ESTIMATORS": algos.KL_ESTIMATORS,
     "LOSS_AGGREGATIONS": algos.LOSS_AGGREGATIONS,
+    "IS_LEVELS": algos.IS_LEVELS,
+    "IS_MODES": algos.IS_MODES,
 }
 MEMBERS = [(reg, name) for reg, r in REGISTRIES.items() for name in r.names()]
 EXPECTED = {
@@ -28,6 +30,8 @@ EXPECTED = {
         "seq_mean_token_sum_norm",
         "token_mean",
     ],
+    "IS_LEVELS": ["geometric", "none", "sequence", "token"],
+    "IS_MODES": ["mask", "truncate"],
 }
 
 
@@ -152,6 +156,24 @@ def _check_aggregation(fn):
     assert np.isfinite(grad(per_token)).all()
 
 
+def _check_importance_weights(**options):
+    logp, behavior, _, mask = _inputs()
+    f = jax.jit(functools.partial(algos.importance_weights, cap=1.5, **options))
+    weights, metrics = f(logp, behavior, mask)
+    assert weights.shape == (B, T) and np.isfinite(weights).all() and (np.asarray(weights) >= 0).all()
+    assert (np.asarray(weights)[mask == 0] == 0).all() and all(np.isfinite(v) for v in metrics.values())
+    # Stop-gradient: no gradient reaches either log-prob.
+    grad = jax.jit(jax.grad(lambda lp, bp: f(lp, bp, mask)[0].sum(), argnums=(0, 1)))(logp, behavior)
+    assert all((np.asarray(g) == 0).all() for g in grad)
+    # Exactly weight 1 on the mask where trainer and rollout engine agree, with nothing capped.
+    same, same_metrics = f(behavior, behavior, mask)
+    np.testing.assert_array_equal(same, np.asarray(mask))
+    assert float(same_metrics["is_frac_capped"]) == 0.0
+    # Far off-policy (log-ratio -80 / +80 on every token) stays finite thanks to the clamp.
+    for shift in (-80.0, 80.0):
+        assert np.isfinite(f(behavior + shift, behavior, mask)[0]).all()
+
+
 @pytest.mark.parametrize("reg,name", MEMBERS)
 def test_every_member_jits_is_finite_and_vanishes_at_zero_advantage(reg, name):
     fn = REGISTRIES[reg].get(name)
@@ -161,6 +183,10 @@ def test_every_member_jits_is_finite_and_vanishes_at_zero_advantage(reg, name):
         _check_policy_loss(fn)
     elif reg == "KL_ESTIMATORS":
         _check_kl(name, fn)
+    elif reg == "IS_LEVELS":  # members are checked through the function the trainer calls
+        _check_importance_weights(level=name, mode="truncate")
+    elif reg == "IS_MODES":
+        _check_importance_weights(level="token", mode=name)
     else:
         _check_aggregation(fn)
 

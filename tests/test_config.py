@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.util
+import json
 
 import pytest
 
@@ -171,3 +172,71 @@ def test_validate_rejects_a_kv_block_size_vllm_cpu_cannot_take(block_size):
     for ok in (0, 32, 64):  # 0: vLLM's default
         vllm = dataclasses.replace(cfg.rollout.vllm, block_size=ok)
         C.validate(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, vllm=vllm)))
+
+
+def qwen25_7b_dir(tmp_path):
+    """A directory holding only Qwen2.5-7B's config.json (its shapes; no weights)."""
+    from rljax import models
+
+    shapes = models.ModelConfig(
+        family="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(shapes.to_hf_dict()))
+    return str(tmp_path)
+
+
+def runtime_config(path, **mesh):
+    return C.Config(model=C.ModelConfig(path=path), mesh=C.MeshConfig(**mesh))
+
+
+def test_validate_runtime_rejects_a_mesh_axis_that_does_not_divide_the_model(tmp_path):
+    path = qwen25_7b_dir(tmp_path)
+    with pytest.raises(C.ConfigError) as e:
+        C.validate_runtime(runtime_config(path, fsdp=1, tensor=8), 8)
+    assert e.value.field == "mesh.tensor"
+    msg = str(e.value)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert f"layers.{name}.kernel: dimension " in msg, name
+    for name in ("queries", "keys", "values"):  # the attention activations sharded over heads / KV heads
+        assert f"attention.{name}: dimension 0 " in msg, name
+    assert "('heads', size 28) is not divisible by mesh axis tensor=8 (valid tensor sizes: 1, 2, 4)" in msg
+    assert "('kv', size 4) is not divisible by mesh axis tensor=8 (valid tensor sizes: 1, 2, 4)" in msg
+    assert "mesh.allow_replication=true" in msg and "\n" not in msg  # one line for `rljax: error: ...`
+    # Opting in keeps today's replication; a mesh that divides everything passes.
+    sizes = C.validate_runtime(runtime_config(path, fsdp=1, tensor=8, allow_replication=True), 8)
+    assert sizes == {"data": 1, "fsdp": 1, "tensor": 8}
+    assert C.validate_runtime(runtime_config(path, fsdp=2, tensor=4), 8) == {
+        "data": 1,
+        "fsdp": 2,
+        "tensor": 4,
+    }
+    assert C.validate_runtime(runtime_config(path), 8) == {"data": 1, "fsdp": 8, "tensor": 1}
+
+
+def test_validate_runtime_names_every_failing_mesh_axis(tmp_path):
+    path = qwen25_7b_dir(tmp_path)
+    cfg = runtime_config(path, tensor=2)  # fsdp=-1 fills 3 of 6 devices: 3 does not divide hidden 3584
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, batch_size=48))
+    with pytest.raises(C.ConfigError) as e:
+        C.validate_runtime(cfg, 6)
+    assert e.value.field == "mesh.fsdp" and "tensor=" not in str(e.value)
+    want = "('embed', size 3584) is not divisible by mesh axis fsdp=3 (valid fsdp sizes: 1, 2, 4, 7, 8, 14,"
+    assert want in str(e.value)
+    cfg = dataclasses.replace(cfg, mesh=C.MeshConfig(fsdp=3, tensor=8))
+    with pytest.raises(C.ConfigError) as e:
+        C.validate_runtime(cfg, 24)
+    assert e.value.field == "mesh" and "fsdp=3" in str(e.value) and "tensor=8" in str(e.value)
+
+
+def test_validate_runtime_rejects_an_unreadable_model_config(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(C.ConfigError, match="model.path: .*config.json: JSONDecodeError"):
+        C.validate_runtime(runtime_config(str(tmp_path)), 1)

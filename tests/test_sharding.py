@@ -113,3 +113,52 @@ def test_logical_constraint_inside_jit():
     y = f(jnp.ones((8, 4, 128)))
     want = NamedSharding(mesh, PartitionSpec("fsdp", None, None))  # fsdp taken by batch first
     assert y.sharding.is_equivalent_to(want, 3)
+
+
+# Qwen2.5-7B's shapes (config.json of Qwen/Qwen2.5-7B-Instruct); no weights are built.
+QWEN25_7B = models.ModelConfig(
+    family="qwen2",
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    head_dim=128,
+    attention_bias=True,
+)
+
+
+def test_check_divisibility_names_each_tensor_axis_and_valid_sizes():
+    axes = models.param_logical_axes(QWEN25_7B)
+    lines = sharding.check_divisibility(axes, {"data": 1, "fsdp": 1, "tensor": 8})
+    attention = ["q_proj.kernel", "q_proj.bias", "k_proj.kernel", "k_proj.bias", "v_proj.kernel"]
+    attention += ["v_proj.bias", "o_proj.kernel"]
+    assert sorted(line.split(":")[0] for line in lines) == sorted(f"layers.{t}" for t in attention)
+    q = "layers.q_proj.kernel: dimension 2 ('heads', size 28) is not divisible by mesh axis tensor=8"
+    k = "layers.k_proj.kernel: dimension 2 ('kv', size 4) is not divisible by mesh axis tensor=8"
+    assert any(line.startswith(q) for line in lines) and any(line.startswith(k) for line in lines)
+    # vocab 152064, mlp 18944, 28 heads and 4 KV heads are all sharded on tensor: their common divisors.
+    assert all(line.endswith("(valid tensor sizes: 1, 2, 4)") for line in lines)
+    # A mesh that divides every sharded dimension passes, given as sizes or as a Mesh.
+    assert sharding.check_divisibility(axes, {"data": 1, "fsdp": 2, "tensor": 4}) == []
+    assert sharding.check_divisibility(axes, make_mesh(fsdp=8)) == []
+    # What logical_to_spec still does for a caller that opted in: heads replicated over tensor.
+    q_axes = axes["layers"]["q_proj"]["kernel"]
+    assert logical_to_spec(q_axes, make_mesh(fsdp=1, tensor=8)) == PartitionSpec(None, None, None, None)
+
+
+def test_check_divisibility_follows_the_rules_order_over_several_mesh_axes():
+    # batch -> (data, fsdp): 12 rows on data=2 leave 6 per data shard, which fsdp=4 does not divide.
+    tree = {"acts": LogicalAxes(("batch", "embed"), (12, 64)), "plain": ("batch",)}  # no shape: unchecked
+    (line,) = sharding.check_divisibility(tree, {"data": 2, "fsdp": 4, "tensor": 1})
+    assert line == (
+        "acts: dimension 0 ('batch', size 12, 6 per data shard) is not divisible by mesh axis fsdp=4 "
+        "(valid fsdp sizes: 1, 2)"  # the divisors of gcd(6 rows left, 64 embed)
+    )
+    # Mesh axes of size 1, and a mesh axis already used by an earlier dimension, are never reported.
+    fsdp8 = {"data": 1, "fsdp": 8, "tensor": 1}
+    assert sharding.check_divisibility({"x": LogicalAxes(("embed", "embed"), (8, 3))}, fsdp8) == []
+    assert sharding.check_divisibility({"x": LogicalAxes(("heads",), (3,))}, fsdp8) == []
+    with pytest.raises(KeyError, match="unknown logical axis 'nope'"):
+        sharding.check_divisibility({"x": LogicalAxes(("nope",), (4,))}, fsdp8)

@@ -165,3 +165,82 @@ def test_bf16_compute_tracks_float32(ref):
     moved = C.max_rel_diff(p32, ref.params)
     assert C.max_rel_diff(p16, p32) <= BF16_PARAM_RTOL * max(moved, 1.0)
     assert C.max_rel_diff(p16, ref.params) > 0
+
+
+# Dr. GRPO's constant normalizer is the generation budget, not the padded width. Four rows of
+# (prompt, completion) lengths (3, 5), (2, 20), (4, 1), (5, 26) -- at most 31 positions, so they fit a
+# 32-wide bucket -- with advantages 1, -0.5, 2, 0.25. On policy (old_logp = the trainer's own logp,
+# ratio 1, no clipping; IS off) ppo_clip's per-token loss is -A_b, so
+#   loss = -sum_b A_b * n_b / (B * max_tokens) = -(5 - 10 + 2 + 6.5) / (4 * 48) = -3.5/192
+# at any padded width. The bucket width as normalizer would give -3.5/128 at 32 and -3.5/256 at 64.
+DRGRPO_ROWS = [(3, 5), (2, 20), (4, 1), (5, 26)]
+DRGRPO_ADV = [1.0, -0.5, 2.0, 0.25]
+DRGRPO_MAX_TOKENS = 48
+
+
+def drgrpo_inputs(width: int, vocab: int):
+    """The same four rows padded (on the right, segment 0) to `width` positions."""
+    rng = np.random.default_rng(5)
+    base = C.loss_inputs(0, vocab, rows=len(DRGRPO_ROWS), length=width)
+    z = lambda dt: np.zeros((len(DRGRPO_ROWS), width), dt)  # noqa: E731
+    ids, tgt, pos, seg, mask = z(np.int32), z(np.int32), z(np.int32), z(np.int32), z(np.float32)
+    for r, (prompt, completion) in enumerate(DRGRPO_ROWS):
+        total = prompt + completion
+        toks = rng.integers(3, vocab, size=total).astype(np.int32)
+        ids[r, :total], seg[r, :total], pos[r, :total] = toks, 1, np.arange(total)
+        tgt[r, : total - 1] = toks[1:]
+        mask[r, prompt - 1 : total - 1] = 1.0
+    return base.replace(
+        input_ids=ids,
+        target_ids=tgt,
+        positions=pos,
+        segment_ids=seg,
+        loss_mask=mask,
+        behavior_logp=z(np.float32),
+        advantages=np.asarray(DRGRPO_ADV, np.float32),
+    )
+
+
+def test_drgrpo_loss_and_gradient_do_not_depend_on_the_padded_width(ref):
+    cfg = C.with_fields(
+        ref.cfg,
+        algo__aggregation="seq_mean_token_sum_norm",
+        algo__beta=0.0,
+        algo__entropy_coef=0.0,
+        algo__is_level="none",
+        rollout__max_tokens=DRGRPO_MAX_TOKENS,
+    )
+    state = fresh_state(ref, cfg)
+    runs = {}
+    for width in (32, 64):
+        inputs = trainer.shard_batch(drgrpo_inputs(width, ref.model_config.vocab_size), ref.mesh)
+        logp, _ = trainer.make_logprob_fn(cfg, ref.model_config, ref.mesh)(state.params, inputs)
+        batch = trainer.TrainBatch(inputs=inputs, old_logp=logp, advantages=inputs.advantages)
+        grads, metrics = make_grad_fn(cfg, ref.model_config, ref.mesh)(state.params, batch)
+        runs[width] = C.to_host((grads, metrics))
+        np.testing.assert_allclose(runs[width][1]["loss/total"], -3.5 / 192, rtol=1e-6)
+    (g32, m32), (g64, m64) = runs[32], runs[64]
+    assert m32["clip/frac_low"] == m32["clip/frac_high"] == 0  # on policy: the hand value holds
+    np.testing.assert_allclose(m64["loss/policy"], m32["loss/policy"], rtol=1e-6)
+    # Same rows, same math; only the reduction lengths of the padded attention differ (float32 rounding).
+    assert C.max_rel_diff(g64, g32) <= 1e-6
+    assert max(np.abs(x).max() for x in jax.tree.leaves(g32)) > 1e-4  # a gradient to compare
+
+
+def test_geometric_is_level_reaches_the_step(ref):
+    # is/weight_* from the step against numpy: each row's weight is exp(mean over its loss tokens of the
+    # clamped old - behaviour log-ratio), the same for all of the row's tokens.
+    cfg = C.with_fields(ref.cfg, algo__is_level="geometric")
+    _, metrics = make_grad_fn(cfg, ref.model_config, ref.mesh)(
+        fresh_state(ref, cfg).params, trainer.shard_batch(ref.batch, ref.mesh)
+    )
+    mask = ref.batch.inputs.loss_mask
+    log_ratio = np.clip((ref.batch.old_logp - ref.batch.inputs.behavior_logp) * mask, -20, 20)
+    row_w = np.exp(log_ratio.sum(1) / mask.sum(1))
+    np.testing.assert_allclose(float(metrics["is/weight_max"]), row_w.max(), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(metrics["is/weight_mean"]), (row_w * mask.sum(1)).sum() / mask.sum(), rtol=1e-6
+    )
+    capped = (row_w > cfg.algo.is_cap) * mask.sum(1)
+    np.testing.assert_allclose(float(metrics["is/frac_capped"]), capped.sum() / mask.sum(), rtol=1e-6)
+    assert float(metrics["is/weight_max"]) < ref.metrics["is/weight_max"]  # a row mean is below its max

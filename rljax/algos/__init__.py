@@ -5,13 +5,15 @@ Variants live in registries, resolved by name when a step is built (`ADVANTAGES.
     POLICY_LOSSES      fn(logp, old_logp, advantages, mask, **options) -> (per_token f32[B,T], metrics)
     KL_ESTIMATORS      fn(logp, ref_logp) -> f32[B,T]
     LOSS_AGGREGATIONS  fn(per_token, mask, *, num_tokens, num_seqs, max_len) -> f32[]
-Plain functions: `gae`, `masked_whiten`, `value_loss`, `importance_weights`, `dynamic_sampling_mask`,
-`overlong_penalty`, `token_entropy`, `entropy_bonus`.
+    IS_LEVELS          fn(log_ratio f32[B,T], mask f32[B,T]) -> log_weights f32[B,T]
+    IS_MODES           fn(raw f32[B,T], capped bool[B,T], cap) -> weights f32[B,T]
+Plain functions: `advantage_options`, `gae`, `masked_whiten`, `value_loss`, `importance_weights`,
+`dynamic_sampling_mask`, `overlong_penalty`, `token_entropy`, `entropy_bonus`.
 Imports only jax/numpy and rljax.registry (see tests/test_layering.py).
 """
 
 from ._masked import LOG_RATIO_CLAMP
-from .advantages import ADVANTAGES, drgrpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo
+from .advantages import ADVANTAGES, advantage_options, drgrpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo
 from .aggregation import (
     LOSS_AGGREGATIONS,
     entropy_bonus,
@@ -24,15 +26,18 @@ from .aggregation import (
 from .dapo import dynamic_sampling_mask, overlong_penalty
 from .gae import gae, masked_whiten, value_loss
 from .kl import KL_ESTIMATORS, k1, k2, k3
-from .off_policy import importance_weights
+from .off_policy import IS_LEVELS, IS_MODES, importance_weights
 from .policy_losses import POLICY_LOSSES, clipped_objective, gspo, ppo_clip
 
 __all__ = [
     "ADVANTAGES",
+    "IS_LEVELS",
+    "IS_MODES",
     "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
+    "advantage_options",
     "clipped_objective",
     "drgrpo",
     "dynamic_sampling_mask",

@@ -3,11 +3,17 @@
 Every estimator is called with keywords:
     fn(*, rewards f32[B], group_ids i32[B], num_groups: int, **options) -> advantages f32[B]
 `group_ids` says which prompt group each sequence belongs to (ids in [0, num_groups); `num_groups` is
-static under jit). Stds are Bessel-corrected (like `torch.std`, as the reference implementations use);
-a group of one sequence gets advantage 0 from every group-relative estimator.
+static under jit). An estimator declares its options (`std_scale`, `eps`, ...) in its signature, each
+with a default; `advantage_options` picks them from the configured values once, outside jit.
+Stds are Bessel-corrected (like `torch.std`, as the reference implementations use); a group of one
+sequence gets advantage 0 from every group-relative estimator.
 """
 
 from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +25,27 @@ from ._masked import center, group_stats, unbiased_std
 ADVANTAGES: Registry = Registry("advantage estimator")
 
 STD_SCALES = ("group", "batch", "none")
+# What every estimator takes per batch; any other keyword of an estimator is one of its options.
+ADVANTAGE_INPUTS = ("rewards", "group_ids", "num_groups")
+
+
+def advantage_options(fn: Callable, offered: Mapping[str, Any]) -> dict[str, Any]:
+    """The options estimator `fn` declares, taken from `offered` (e.g. `{"eps": cfg.algo.adv_eps}`).
+
+    Read from `fn`'s signature once, when the loop is built, so an option reaches every estimator
+    that declares it and no call site switches on the estimator's name. An option `fn` declares
+    without a default that `offered` lacks raises (listing what is offered).
+    """
+    params = inspect.signature(fn).parameters
+    options = {k: offered[k] for k in params if k in offered and k not in ADVANTAGE_INPUTS}
+    missing = [
+        k
+        for k, p in params.items()
+        if k not in ADVANTAGE_INPUTS and k not in options and p.default is inspect.Parameter.empty
+    ]
+    if missing:
+        raise ValueError(f"{fn.__name__} needs options {missing}; offered: {sorted(offered)}")
+    return options
 
 
 def _as_f32(rewards: jax.Array) -> jax.Array:

@@ -5,7 +5,9 @@ max_len=None) -> f32[]`. The normalizers make micro-batching exact: pass the GLO
 (mini)batch being optimized and sum the micro-batch results (and gradients):
     num_tokens  total mask weight of the whole batch      (default: this batch's, at least 1)
     num_seqs    number of rows (sequences) of the batch    (default: this batch's B)
-    max_len     fixed length budget for Dr. GRPO           (default: this batch's T)
+    max_len     Dr. GRPO's constant length: the generation budget (the trainer passes
+                rollout.max_tokens); the default, this batch's T, is constant only if every batch
+                is padded to one width, which length-bucketed batches are not
 Rows are sequences: a row's per-sequence mean uses only its own tokens, so it is exact as long as a row
 is never split across micro-batches. A row with an all-zero mask contributes 0 (no NaN) and still counts
 in num_seqs. Off-mask values of the loss are ignored, even if they are inf/NaN in the forward pass.
@@ -110,8 +112,11 @@ def seq_mean_token_sum_norm(
 ) -> jax.Array:
     """Dr. GRPO: `sum_b [sum_t loss*mask / max_len] / num_seqs`, a constant length normalizer.
 
-    per_token_loss, mask f32[B,T] -> f32[]. Uses num_seqs and max_len (the generation budget; the
-    default, this batch's T, is only constant if batches are padded to one length).
+    per_token_loss, mask f32[B,T] -> f32[]. Uses num_seqs and max_len, the generation budget (the
+    paper's MAX_TOKENS; the trainer passes rollout.max_tokens). Then a batch's loss does not depend on
+    the width it is padded to. The default, this batch's T, is only constant if every batch is padded to
+    one width. (A multi-turn row may hold more loss tokens than the per-turn budget; the normalizer
+    stays the same constant.)
 
     References: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"
     (arXiv:2503.20783).

@@ -107,9 +107,9 @@ class Run:
 def make_advantages(cfg: Config) -> Callable:
     """Host-callable `fn(rewards f32[B], group_ids i32[B], num_groups) -> f32[B]` from the registry."""
     fn = algos.ADVANTAGES.get(cfg.algo.advantage)
-    options = (
-        {"std_scale": cfg.algo.adv_std_scale, "eps": cfg.algo.adv_eps} if cfg.algo.advantage == "grpo" else {}
-    )
+    # algo.adv_<option> -> the estimator's keyword; each estimator takes the ones its signature declares.
+    offered = {"std_scale": cfg.algo.adv_std_scale, "eps": cfg.algo.adv_eps}
+    options = algos.advantage_options(fn, offered)
     jitted = jax.jit(lambda r, g, n: fn(rewards=r, group_ids=g, num_groups=n, **options), static_argnums=2)
     return lambda r, g, n: np.asarray(jitted(jnp.asarray(r), jnp.asarray(g), n))
 

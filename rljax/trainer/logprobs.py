@@ -2,10 +2,15 @@
 
 Every log-prob the trainer uses (current, old, reference) and every entropy comes from
 `sequence_logprobs`, so they share one model function, one temperature convention and one kernel.
+
+The no-gradient passes over a whole rollout batch (old and reference log-probs here, PPO values in
+`rljax.trainer.ppo`) run as a `lax.map` over the train step's micro-batches inside one jit
+(`map_micro_batches`), so their peak memory is one micro-batch's, whatever the rollout batch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +20,8 @@ from jax.sharding import Mesh
 
 from rljax import kernels, models
 from rljax.config import Config
-from rljax.trainer.state import batch_sharding, param_shardings, resolve_model_config
+from rljax.trainer.accumulate import split_micro_batches
+from rljax.trainer.state import BATCH_AXES, batch_sharding, param_shardings, resolve_model_config
 from rljax.types import LossInputs
 
 
@@ -57,14 +63,75 @@ def sequence_logprobs(
     return logp.reshape(b, t), entropy.reshape(b, t)
 
 
+def pass_micro_batches(cfg: Config, rows: int, data_parallel: int) -> int:
+    """Micro-batches of a no-gradient pass (old/reference log-probs, PPO values) over `rows` sequences.
+
+    Each is at most the train step's micro-batch: `trainer.micro_batch_size`, or the minibatch
+    (`rows / trainer.minibatches`) when 0. The count is the smallest M that divides every data-parallel
+    device's rows with `rows / M` within that bound, so the update's batch (a multiple of the
+    micro-batch) runs exactly `rows / micro` of them and a batch smaller than one micro-batch (the
+    weight-sync canary) runs whole. M divides each device's rows, so the strided split moves no data.
+    """
+    micro = cfg.trainer.micro_batch_size or max(rows // cfg.trainer.minibatches, 1)
+    per_device = rows // data_parallel if rows % data_parallel == 0 else rows
+    fits = (m for m in range(1, per_device + 1) if per_device % m == 0 and rows <= m * micro)
+    return next(fits, per_device)
+
+
+def merge_micro_batches(tree: Any, mesh: Mesh) -> Any:
+    """Inverse of `split_micro_batches`: `[M, b, ...]` leaves -> `[M * b, ...]` in the original row order
+    (row `i * M + m` is micro-batch m's row i), sharded like a batch (no data movement)."""
+    spec = batch_sharding(mesh)
+
+    def merge(y):
+        x = y.swapaxes(0, 1).reshape(y.shape[0] * y.shape[1], *y.shape[2:])
+        return jax.lax.with_sharding_constraint(x, spec)
+
+    return jax.tree.map(merge, tree)
+
+
+def map_micro_batches(
+    fn: Callable[[Any, LossInputs], Any], params: Any, batch: LossInputs, num_micro: int, mesh: Mesh
+) -> Any:
+    """`fn(params, batch)` (a tree of `[B, ...]` arrays) computed as a `lax.map` over `num_micro` strided
+    micro-batches of `batch` (inside the caller's jit): the same values, with the temporaries of one
+    micro-batch. `num_micro == 1` calls `fn` on the whole batch."""
+    if num_micro == 1:
+        return fn(params, batch)
+    micro = split_micro_batches(batch, num_micro, mesh)
+    return merge_micro_batches(jax.lax.map(lambda mb: fn(params, mb), micro), mesh)
+
+
+def jit_batch_pass(
+    fn: Callable[[Any, LossInputs], Any], cfg: Config, mesh: Mesh, params_shardings: Any, num_outputs: int
+) -> Callable:
+    """`jax.jit` of `fn(params, batch)` micro-batched by `pass_micro_batches` (the count is read from the
+    batch's row count at trace time), params on `params_shardings`, batch and outputs sharded like a
+    batch. The result can be `.lower(abstract_params, abstract_batch)`-ed for compile-only memory."""
+    data_parallel = math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+    def batch_pass(params, batch: LossInputs):
+        num_micro = pass_micro_batches(cfg, batch.input_ids.shape[0], data_parallel)
+        return map_micro_batches(fn, params, batch, num_micro, mesh)
+
+    out = batch_sharding(mesh)
+    return jax.jit(
+        batch_pass,
+        in_shardings=(params_shardings, batch_sharding(mesh)),
+        out_shardings=out if num_outputs == 1 else (out,) * num_outputs,
+    )
+
+
 def make_logprob_fn(
     cfg: Config, model_config: Any, mesh: Mesh
 ) -> Callable[[Any, LossInputs], tuple[jax.Array, jax.Array]]:
     """Jitted `fn(params, batch) -> (logp f32[B,T], entropy f32[B,T])` on the mesh (no gradient).
 
     Used by the update for old and reference log-probs and by the loop for the trainer-vs-rollout
-    mismatch metric. Params are placed like the policy (`param_shardings`), the batch like
-    `batch_sharding`. Compute dtype and remat come from `cfg.model`.
+    mismatch metric. Runs over the train step's micro-batches (`pass_micro_batches`), so its peak
+    memory does not grow with the rollout batch; equal to the whole-batch pass. Params are placed like
+    the policy (`param_shardings`), the batch and outputs like `batch_sharding`. Compute dtype and remat
+    come from `cfg.model`. `fn.lower(abstract_params, abstract_batch)` compiles it from shapes alone.
     """
     model_config = resolve_model_config(cfg, model_config)
     impl = cfg.trainer.logprob_impl
@@ -72,9 +139,4 @@ def make_logprob_fn(
     def logprob_fn(params, batch):
         return sequence_logprobs(model_config, params, batch, impl=impl)
 
-    out = batch_sharding(mesh)
-    return jax.jit(
-        logprob_fn,
-        in_shardings=(param_shardings(model_config, mesh), batch_sharding(mesh)),
-        out_shardings=(out, out),
-    )
+    return jit_batch_pass(logprob_fn, cfg, mesh, param_shardings(model_config, mesh), num_outputs=2)

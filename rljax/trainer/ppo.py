@@ -26,7 +26,7 @@ from rljax import algos
 from rljax.config import Config
 from rljax.trainer.accumulate import guarded_update, is_finite
 from rljax.trainer.batch import TrainBatch
-from rljax.trainer.logprobs import make_logprob_fn, sequence_hidden
+from rljax.trainer.logprobs import jit_batch_pass, make_logprob_fn, sequence_hidden
 from rljax.trainer.optim import make_optimizer, make_schedule, total_optimizer_steps
 from rljax.trainer.state import (
     TrainState,
@@ -56,6 +56,7 @@ __all__ = [
     "make_ppo_grad_fn",
     "make_ppo_train_step",
     "make_ppo_update",
+    "make_values_fn",
     "token_rewards",
 ]
 
@@ -65,6 +66,16 @@ def critic_values(model_config: Any, critic_params: dict, batch: LossInputs) -> 
     hidden = sequence_hidden(model_config, critic_params["decoder"], batch)
     head = critic_params["value_head"]
     return hidden.astype(jnp.float32) @ head["kernel"] + head["bias"]
+
+
+def make_values_fn(cfg: Config, model_config: Any, mesh: Mesh) -> Callable[[dict, LossInputs], jax.Array]:
+    """Jitted `fn(critic_params, batch) -> values f32[B,T]` (`critic_values`, no gradient): the PPO
+    update's old-value pass, run over the train step's micro-batches like `make_logprob_fn` (peak
+    memory of one micro-batch; equal to the whole-batch pass). Critic on `critic_shardings`, batch and
+    values sharded like a batch; `fn.lower(abstract_critic, abstract_batch)` compiles it from shapes."""
+    resolved = resolve_model_config(cfg, model_config)
+    values = lambda critic, batch: critic_values(resolved, critic, batch)  # noqa: E731
+    return jit_batch_pass(values, cfg, mesh, critic_shardings(resolved, mesh), num_outputs=1)
 
 
 def token_rewards(batch: LossInputs) -> jax.Array:
@@ -167,16 +178,12 @@ def make_ppo_update(
 ) -> Callable[..., tuple[TrainState, dict]]:
     """PPO: `update(state, batch: LossInputs, ref_params=None) -> (state, metrics)`.
 
-    Old log-probs and old values come from the state at the start of the update; GAE advantages and
-    returns are computed once from them; then epochs x minibatches PPO steps (see make_update).
+    Old log-probs and old values come from the state at the start of the update (micro-batched passes:
+    `make_logprob_fn`, `make_values_fn`); GAE advantages and returns are computed once from them; then
+    epochs x minibatches PPO steps (see make_update).
     """
     logprob_fn = make_logprob_fn(cfg, model_config, mesh)
-    resolved = resolve_model_config(cfg, model_config)
-    values_fn = jax.jit(
-        lambda critic, batch: critic_values(resolved, critic, batch),
-        in_shardings=(critic_shardings(resolved, mesh), batch_sharding(mesh)),
-        out_shardings=batch_sharding(mesh),
-    )
+    values_fn = make_values_fn(cfg, model_config, mesh)
     advantages_fn = make_advantages_fn(cfg, mesh)
     step = make_ppo_train_step(cfg, model_config, mesh, optimizer=optimizer)
     mismatch = jax.jit(mismatch_metrics, out_shardings=replicated(mesh))

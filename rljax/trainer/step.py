@@ -1,6 +1,7 @@
 """The GRPO-family train step: one optimizer step on a minibatch, as a pure sharded function.
 
-Loss (per minibatch, each term aggregated by `algo.aggregation` with the minibatch's normalizers):
+Loss (per minibatch, each term aggregated by `algo.aggregation` with the minibatch's normalizers:
+token count, rows, and the generation budget `rollout.max_tokens` as Dr. GRPO's constant length):
   policy  = agg(policy_loss(logp, old_logp, A) * w_IS)     w_IS = importance_weights(old_logp, behavior_logp)
   kl      = beta * agg(KL(logp, ref_logp))                  only when algo.beta > 0
   entropy = -entropy_coef * agg(entropy)                    only when algo.entropy_coef != 0
@@ -41,13 +42,18 @@ from rljax.trainer.state import (
 LossFn = Callable[[Any, TrainBatch, dict], tuple[jax.Array, dict]]
 
 
-def normalizers(batch: TrainBatch) -> dict:
-    """Global normalizers of a minibatch for the aggregations: token count, sequence rows, max length."""
+def normalizers(batch: TrainBatch, *, max_len: int) -> dict:
+    """Global normalizers of a minibatch for the aggregations: token count, sequence rows, length budget.
+
+    `max_len` is Dr. GRPO's constant: the generation budget (`rollout.max_tokens`), bound outside jit,
+    not the batch's padded width `T` (a length bucket that changes from step to step, which would
+    rescale the loss and its gradient with the longest answer of the batch).
+    """
     mask = batch.inputs.loss_mask
     return {
         "num_tokens": jnp.maximum(mask.sum(), 1.0),
         "num_seqs": mask.shape[0],
-        "max_len": mask.shape[1],
+        "max_len": max_len,
     }
 
 
@@ -158,10 +164,12 @@ def num_micro_batches(cfg: Config, rows: int) -> int:
 
 def make_gradients(cfg: Config, mesh: Mesh, loss_fn: LossFn) -> Callable[[Any, TrainBatch], tuple[Any, dict]]:
     """Un-jitted `fn(params, batch) -> (grads, metrics)` shared by every step: IS weights on the whole
-    minibatch, then `loss_fn` gradients accumulated over micro-batches with the minibatch's normalizers."""
+    minibatch, then `loss_fn` gradients accumulated over micro-batches with the minibatch's normalizers
+    (length budget `rollout.max_tokens`)."""
+    max_len = cfg.rollout.max_tokens
 
     def gradients(params, batch: TrainBatch):
-        norms = normalizers(batch)
+        norms = normalizers(batch, max_len=max_len)
         batch, is_metrics = with_importance_weights(cfg, batch)
         fn = lambda p, mb: loss_fn(p, mb, norms)
         grads, sums = accumulate_gradients(fn, params, batch, num_micro_batches(cfg, batch.num_rows), mesh)

@@ -97,9 +97,10 @@ def make_update(
     """GRPO family: `update(state, batch: LossInputs, ref_params=None) -> (state, metrics)`.
 
     Computes old log-probs with `state.params` (and reference log-probs with `ref_params` when
-    algo.beta > 0), then runs epochs x minibatches train steps. Metrics: the step metrics summarized
-    over steps (see `summarize`) plus the trainer-vs-rollout mismatch of the old log-probs. Raises
-    NonFiniteError after trainer.max_nonfinite_skips consecutive skipped steps.
+    algo.beta > 0) over the train step's micro-batches (`make_logprob_fn`: peak memory of one
+    micro-batch, whatever the rollout batch), then runs epochs x minibatches train steps. Metrics: the
+    step metrics summarized over steps (see `summarize`) plus the trainer-vs-rollout mismatch of the old
+    log-probs. Raises NonFiniteError after trainer.max_nonfinite_skips consecutive skipped steps.
     """
     logprob_fn = make_logprob_fn(cfg, model_config, mesh)
     step = make_train_step(cfg, model_config, mesh, optimizer=optimizer)
