@@ -27,23 +27,30 @@ def _segment_ends(segment_ids: jax.Array) -> jax.Array:
     return jax.lax.cummin(idx, axis=1, reverse=True)
 
 
-def sequence_totals(x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-    """`f32[B,T]`: for every token, the sum of `x f32[B,T]` over its sequence (its row when
-    `segment_ids` is None, else its run of one segment id in `segment_ids i32[B,T]`)."""
-    if segment_ids is None:
-        return jnp.broadcast_to(x.sum(axis=1, keepdims=True), x.shape)
+def running_totals(x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """`f32[B,T]`: the inclusive running sum of `x` within each token's run of one segment id."""
 
     def combine(a, b):
         (a_val, a_start), (b_val, b_start) = a, b
         return jnp.where(b_start, b_val, a_val + b_val), a_start | b_start
 
     running, _ = jax.lax.associative_scan(combine, (x, _segment_starts(segment_ids)), axis=1)
-    return jnp.take_along_axis(running, _segment_ends(segment_ids), axis=1)
+    return running
+
+
+def sequence_totals(x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """`f32[B,T]`: for every token, the sum of `x f32[B,T]` over its sequence (its row when
+    `segment_ids` is None, else its run of one segment id in `segment_ids i32[B,T]`)."""
+    if segment_ids is None:
+        return jnp.broadcast_to(x.sum(axis=1, keepdims=True), x.shape)
+    return jnp.take_along_axis(running_totals(x, segment_ids), _segment_ends(segment_ids), axis=1)
 
 
 def num_sequences(mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-    """f32[]: sequences with at least one loss token (`mask f32[B,T]`); the row count when unpacked."""
+    """f32[]: sequences with at least one loss token (`mask f32[B,T]` of 0/1); the row count when
+    unpacked. Exact: it counts each sequence's first loss token (an integer running count)."""
     if segment_ids is None:
         return jnp.asarray(mask.shape[0], jnp.float32)
-    count = sequence_totals(mask, segment_ids)
-    return jnp.where(mask > 0, mask / jnp.maximum(count, 1.0), 0.0).sum()
+    on = mask > 0
+    first = on & (running_totals(on.astype(jnp.float32), segment_ids) == 1.0)
+    return first.sum().astype(jnp.float32)

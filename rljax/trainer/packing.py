@@ -22,10 +22,14 @@ Host-side numpy only; deterministic (the same batch packs the same way on every 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
+from jax.sharding import Mesh
 
+from rljax.config import Config
+from rljax.trainer.state import BATCH_AXES, shard_batch
 from rljax.types import SEQUENCE_FIELDS, TOKEN_FIELDS, LossInputs, validate_loss_inputs
 
 
@@ -102,31 +106,49 @@ def sequence_lengths(batch: LossInputs) -> np.ndarray:
     return (np.asarray(batch.segment_ids) > 0).sum(axis=1).astype(np.int32)
 
 
-def pack_loss_inputs(batch: LossInputs, plan: PackingPlan) -> LossInputs:
-    """The packed LossInputs `[R, N]` of a one-sequence-per-row batch (see the module docstring).
-
-    Token fields are copied segment by segment (segment ids 1, 2, ... per row; each sequence keeps its
-    positions, which start at 0);
-    sequence fields become per-token `[R, N]`. The result is validated (packed form) before it is returned.
-    """
-    src = {name: np.asarray(getattr(batch, name)) for name in TOKEN_FIELDS + SEQUENCE_FIELDS}
-    real = np.asarray(batch.segment_ids) > 0
+def pack_token_arrays(arrays: dict, segment_ids: np.ndarray, plan: PackingPlan) -> dict:
+    """Per-token `[B,T]` arrays of a one-sequence-per-row batch (real positions: `segment_ids > 0`)
+    -> the same arrays in the packed layout `[R, N]` of `plan` (0 on padding)."""
+    real = np.asarray(segment_ids) > 0
     shape = (len(plan.rows), plan.row_len)
-    out = {name: np.zeros(shape, src[name].dtype) for name in TOKEN_FIELDS + SEQUENCE_FIELDS}
+    out = {name: np.zeros(shape, np.asarray(x).dtype) for name, x in arrays.items()}
+    for r, members in enumerate(plan.rows):
+        offset = 0
+        for b in members:
+            keep = real[b]
+            n = int(keep.sum())
+            for name, x in arrays.items():
+                out[name][r, offset : offset + n] = np.asarray(x)[b][keep]
+            offset += n
+    return out
+
+
+def packed_segment_ids(plan: PackingPlan, lengths: Sequence[int]) -> np.ndarray:
+    """i32[R, N]: 1, 2, ... for the sequences of each packed row, in order; 0 on padding."""
+    out = np.zeros((len(plan.rows), plan.row_len), np.int32)
     for r, members in enumerate(plan.rows):
         offset = 0
         for seg, b in enumerate(members, start=1):
-            keep = real[b]
-            n = int(keep.sum())
-            sl = slice(offset, offset + n)
-            for name in TOKEN_FIELDS:
-                out[name][r, sl] = src[name][b][keep]
-            out["segment_ids"][r, sl] = seg
-            for name in SEQUENCE_FIELDS:
-                out[name][r, sl] = src[name][b]
-            offset += n
-    packed = dataclasses.replace(batch, **out)
-    return validate_loss_inputs(packed)
+            out[r, offset : offset + int(lengths[b])] = seg
+            offset += int(lengths[b])
+    return out
+
+
+def pack_loss_inputs(batch: LossInputs, plan: PackingPlan) -> LossInputs:
+    """The packed LossInputs `[R, N]` of a one-sequence-per-row batch (see the module docstring).
+
+    Token fields are copied sequence by sequence (each keeps its positions, which start at 0; segment
+    ids become 1, 2, ... per row); sequence fields become per-token `[R, N]`. The result is validated
+    (packed form) before it is returned.
+    """
+    seg = np.asarray(batch.segment_ids)
+    arrays = {name: np.asarray(getattr(batch, name)) for name in TOKEN_FIELDS}
+    for name in SEQUENCE_FIELDS:
+        per_row = np.asarray(getattr(batch, name))
+        arrays[name] = np.broadcast_to(per_row[:, None], seg.shape)
+    out = pack_token_arrays(arrays, seg, plan)
+    out["segment_ids"] = packed_segment_ids(plan, sequence_lengths(batch))
+    return validate_loss_inputs(dataclasses.replace(batch, **out))
 
 
 def padding_fraction(batch: LossInputs) -> float:
@@ -140,3 +162,31 @@ def rank_token_imbalance(batch: LossInputs, num_ranks: int) -> float:
     seg = np.asarray(batch.segment_ids)
     per_rank = (seg > 0).reshape(num_ranks, -1).sum(axis=1).astype(np.float64)
     return float(per_rank.max() / max(per_rank.mean(), 1.0))
+
+
+def layout_batch(cfg: Config, batch: LossInputs, data_parallel: int) -> tuple[LossInputs, dict]:
+    """The batch the devices train on, and its layout metrics: packed into rows of
+    `trainer.tokens_per_micro_batch` tokens (row count a multiple of data_parallel x trainer.minibatches)
+    when that is > 0, else the batch as given. Metrics: `batch/pad_fraction`, `batch/rows`, and when
+    packed `batch/rank_token_imbalance`."""
+    n = cfg.trainer.tokens_per_micro_batch
+    if n:
+        plan = plan_packing(
+            sequence_lengths(batch),
+            row_len=n,
+            num_ranks=data_parallel,
+            rows_multiple=data_parallel * cfg.trainer.minibatches,
+        )
+        batch = pack_loss_inputs(batch, plan)
+    metrics = {"batch/pad_fraction": padding_fraction(batch), "batch/rows": float(batch.input_ids.shape[0])}
+    if n:
+        metrics["batch/rank_token_imbalance"] = rank_token_imbalance(batch, data_parallel)
+    return batch, metrics
+
+
+def prepare_batch(cfg: Config, batch: LossInputs, mesh: Mesh) -> tuple[LossInputs, dict]:
+    """`layout_batch` on the host, then the global sharded batch (`shard_batch`); every process packs the
+    same (broadcast) batch the same way. Returns (sharded batch, layout metrics)."""
+    data_parallel = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    laid_out, metrics = layout_batch(cfg, batch, data_parallel)
+    return shard_batch(laid_out, mesh), metrics
