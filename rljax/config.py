@@ -195,6 +195,9 @@ class TrainerConfig:
     seed: int = 0
     max_staleness: int = 0  # 0 = synchronous; k: rollouts may lag the policy by up to k versions
     micro_batch_size: int = 0  # 0 = the whole minibatch in one pass
+    # > 0: sequences are packed into rows of this many tokens (rljax.trainer.packing) and a micro-batch is
+    # one packed row per data-parallel device; 0: one sequence per row, padded to a length bucket.
+    tokens_per_micro_batch: int = 0
     epochs: int = 1  # update passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
     max_nonfinite_skips: int = 3  # consecutive skipped (non-finite) updates before the run stops
@@ -439,6 +442,7 @@ def validate(cfg: Config) -> Config:
             "trainer.micro_batch_size",
             f"{tr.micro_batch_size} must be 0 or divide the minibatch size {minibatch}",
         )
+    _validate_packing(cfg)
     if cfg.algo.dual_clip_c and cfg.algo.dual_clip_c <= 1.0:
         raise ConfigError("algo.dual_clip_c", f"must be 0 (off) or > 1, got {cfg.algo.dual_clip_c}")
     if len(cfg.reward.functions) != len(cfg.reward.weights) or not cfg.reward.functions:
@@ -454,6 +458,33 @@ def validate(cfg: Config) -> Config:
     _validate_mesh_sizes(cfg.mesh)
     _check_names(cfg)
     return cfg
+
+
+def _validate_packing(cfg: Config) -> None:
+    tr = cfg.trainer
+    if tr.tokens_per_micro_batch < 0:
+        raise ConfigError(
+            "trainer.tokens_per_micro_batch", f"must be >= 0 (0: no packing), got {tr.tokens_per_micro_batch}"
+        )
+    if not tr.tokens_per_micro_batch:
+        return
+    if tr.micro_batch_size:
+        raise ConfigError(
+            "trainer.micro_batch_size",
+            f"must be 0 with packing (trainer.tokens_per_micro_batch={tr.tokens_per_micro_batch}): "
+            "a micro-batch is then one packed row per data-parallel device",
+        )
+    if cfg.algo.family == "ppo":
+        raise ConfigError(
+            "trainer.tokens_per_micro_batch",
+            "packing is for the GRPO family; PPO's value targets are per row (set it to 0)",
+        )
+    if tr.tokens_per_micro_batch <= cfg.rollout.max_tokens:
+        raise ConfigError(
+            "trainer.tokens_per_micro_batch",
+            f"{tr.tokens_per_micro_batch} cannot hold a prompt and "
+            f"rollout.max_tokens={cfg.rollout.max_tokens} completion tokens",
+        )
 
 
 def _validate_mesh_sizes(mesh: MeshConfig) -> None:

@@ -47,6 +47,8 @@ class LossInputs:
       rewards: f32[B] scalar reward of each sequence.
       group_ids: i32[B] prompt group of each sequence (0..num_groups-1).
       policy_version: i32[B] policy version that generated each sequence.
+    Packed batches (`rljax.trainer.packing`, several sequences per row, one segment id each) carry the
+    four sequence fields per token instead, `[B,T]`: each token holds its sequence's value (0 on padding).
       temperature, top_p, top_k: the sampler settings that produced `behavior_logp` (static).
     """
 
@@ -101,17 +103,31 @@ def _check(cond: np.ndarray | bool, field: str, what: str) -> None:
     raise BatchError(f"LossInputs.{field}: {what}{where}")
 
 
+def is_packed(batch: LossInputs) -> bool:
+    """True for a packed batch (several sequences per row): its sequence fields are per token `[B,T]`."""
+    return np.ndim(batch.advantages) == 2
+
+
+def _segment_loss_counts(seg: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Loss tokens of each (row, segment > 0) present in a packed batch, as a flat array."""
+    flat = (np.arange(seg.shape[0])[:, None] * seg.shape[1] + seg)[seg > 0]
+    present = np.unique(flat)
+    return np.bincount(flat, weights=mask[seg > 0], minlength=seg.size)[present]
+
+
 def validate_loss_inputs(batch: LossInputs, *, vocab_size: int | None = None) -> LossInputs:
     """Checks the contract once, on the host (numpy), before the batch enters jit. Returns the batch.
 
     Checks: dtypes and shapes, target alignment inside segments, mask only on real tokens and non-empty
-    per sequence row, behaviour log-probs finite and <= 0 on the mask, token ids within the vocabulary.
+    per sequence (a row, or a segment of a packed row; packed rows may be all padding), behaviour
+    log-probs finite and <= 0 on the mask, token ids within the vocabulary.
     """
     arrays = {name: np.asarray(getattr(batch, name)) for name in TOKEN_FIELDS + SEQUENCE_FIELDS}
     shape = arrays["input_ids"].shape
     _check(len(shape) == 2, "input_ids", f"must be 2-D [B,T], got shape {shape}")
+    packed = is_packed(batch)
     for name, arr in arrays.items():
-        want = shape if name in TOKEN_FIELDS else shape[:1]
+        want = shape if name in TOKEN_FIELDS or packed else shape[:1]
         _check(arr.shape == want, name, f"shape {arr.shape} != expected {want}")
         _check(arr.dtype == _DTYPES[name], name, f"dtype {arr.dtype} != expected {np.dtype(_DTYPES[name])}")
     seg, mask = arrays["segment_ids"], arrays["loss_mask"]
@@ -123,7 +139,10 @@ def validate_loss_inputs(batch: LossInputs, *, vocab_size: int | None = None) ->
         "target_ids",
         "misaligned: target_ids[b, t] must equal input_ids[b, t+1] inside a segment",
     )
-    _check(mask.sum(axis=1) > 0, "loss_mask", "a sequence row has no loss tokens")
+    if packed:
+        _check(_segment_loss_counts(seg, mask) > 0, "loss_mask", "a packed sequence has no loss tokens")
+    else:
+        _check(mask.sum(axis=1) > 0, "loss_mask", "a sequence row has no loss tokens")
     logp = arrays["behavior_logp"]
     _check(np.isfinite(logp), "behavior_logp", "non-finite value")
     _check((mask == 0) | (logp <= 0.0), "behavior_logp", "log-prob > 0 on a loss token")

@@ -2,17 +2,20 @@
 
 Variants live in registries, resolved by name when a step is built (`ADVANTAGES.get("grpo")`):
     ADVANTAGES         fn(*, rewards f32[B], group_ids i32[B], num_groups, **options) -> f32[B]
-    POLICY_LOSSES      fn(logp, old_logp, advantages, mask, **options) -> (per_token f32[B,T], metrics)
+    POLICY_LOSSES      fn(logp, old_logp, advantages, mask, *, segment_ids=None, **options)
+                       -> (per_token f32[B,T], metrics)
     KL_ESTIMATORS      fn(logp, ref_logp) -> f32[B,T]
-    LOSS_AGGREGATIONS  fn(per_token, mask, *, num_tokens, num_seqs, max_len) -> f32[]
-    IS_LEVELS          fn(log_ratio f32[B,T], mask f32[B,T]) -> log_weights f32[B,T]
+    LOSS_AGGREGATIONS  fn(per_token, mask, *, num_tokens, num_seqs, max_len, segment_ids=None) -> f32[]
+    IS_LEVELS          fn(log_ratio f32[B,T], mask f32[B,T], segment_ids=None) -> log_weights f32[B,T]
     IS_MODES           fn(raw f32[B,T], capped bool[B,T], cap) -> weights f32[B,T]
-Plain functions: `advantage_options`, `gae`, `masked_whiten`, `value_loss`, `importance_weights`,
+Plain functions: `sequence_totals`, `num_sequences` (per-sequence reductions over packed rows),
+`advantage_options`, `gae`, `masked_whiten`, `value_loss`, `importance_weights`,
 `dynamic_sampling_mask`, `overlong_penalty`, `token_entropy`, `entropy_bonus`.
 Imports only jax/numpy and rljax.registry (see tests/test_layering.py).
 """
 
 from ._masked import LOG_RATIO_CLAMP
+from ._segments import num_sequences, sequence_totals
 from .advantages import ADVANTAGES, advantage_options, drgrpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo
 from .aggregation import (
     LOSS_AGGREGATIONS,
@@ -50,6 +53,7 @@ __all__ = [
     "k2",
     "k3",
     "masked_whiten",
+    "num_sequences",
     "overlong_penalty",
     "ppo_clip",
     "reinforce_pp",
@@ -58,6 +62,7 @@ __all__ = [
     "seq_mean_token_mean",
     "seq_mean_token_sum",
     "seq_mean_token_sum_norm",
+    "sequence_totals",
     "token_entropy",
     "token_mean",
     "value_loss",

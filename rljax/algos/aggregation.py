@@ -1,16 +1,18 @@
 """Loss aggregation (per-token loss -> scalar), registered by name in LOSS_AGGREGATIONS, and entropy.
 
 Every aggregation: `fn(per_token_loss f32[B,T], mask f32[B,T], *, num_tokens=None, num_seqs=None,
-max_len=None) -> f32[]`. The normalizers make micro-batching exact: pass the GLOBAL values of the whole
-(mini)batch being optimized and sum the micro-batch results (and gradients):
+max_len=None, segment_ids=None) -> f32[]`. The normalizers make micro-batching exact: pass the GLOBAL
+values of the whole (mini)batch being optimized and sum the micro-batch results (and gradients):
     num_tokens  total mask weight of the whole batch      (default: this batch's, at least 1)
-    num_seqs    number of rows (sequences) of the batch    (default: this batch's B)
+    num_seqs    number of sequences of the batch           (default: this batch's rows B)
     max_len     Dr. GRPO's constant length: the generation budget (the trainer passes
                 rollout.max_tokens); the default, this batch's T, is constant only if every batch
                 is padded to one width, which length-bucketed batches are not
-Rows are sequences: a row's per-sequence mean uses only its own tokens, so it is exact as long as a row
-is never split across micro-batches. A row with an all-zero mask contributes 0 (no NaN) and still counts
-in num_seqs. Off-mask values of the loss are ignored, even if they are inf/NaN in the forward pass.
+A sequence is a row, or with `segment_ids i32[B,T]` a segment of a packed row (`rljax.trainer.packing`):
+its per-sequence mean uses only its own tokens, so it is exact as long as a sequence is never split
+across micro-batches (packing keeps each one whole in one row). A row with an all-zero mask contributes
+0 (no NaN) and still counts in the default num_seqs. Off-mask values of the loss are ignored, even if
+they are inf/NaN in the forward pass.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from rljax.registry import Registry
+
+from ._segments import sequence_totals
 
 LOSS_AGGREGATIONS: Registry = Registry("loss aggregation")
 
@@ -48,6 +52,7 @@ def token_mean(
     num_tokens: Normalizer = None,
     num_seqs: Normalizer = None,
     max_len: Normalizer = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """`sum(loss * mask) / num_tokens`: every token weighs the same (long answers count more).
 
@@ -55,7 +60,7 @@ def token_mean(
 
     References: Yu et al. 2025, "DAPO" (arXiv:2503.14476), token-level policy gradient loss.
     """
-    del num_seqs, max_len
+    del num_seqs, max_len, segment_ids
     total = _masked(per_token_loss, mask).sum()
     return _divide(total, _or(num_tokens, jnp.maximum(mask.sum(), 1.0)))
 
@@ -68,6 +73,7 @@ def seq_mean_token_mean(
     num_tokens: Normalizer = None,
     num_seqs: Normalizer = None,
     max_len: Normalizer = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """`sum_b [sum_t loss*mask / max(sum_t mask, 1)] / num_seqs`: mean over tokens, then over sequences.
 
@@ -76,8 +82,12 @@ def seq_mean_token_mean(
     References: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300), eq. 3.
     """
     del num_tokens, max_len
-    per_seq = _masked(per_token_loss, mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
-    return _divide(per_seq.sum(), _or(num_seqs, mask.shape[0]))
+    if segment_ids is None:
+        per_seq = _masked(per_token_loss, mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
+        return _divide(per_seq.sum(), _or(num_seqs, mask.shape[0]))
+    # Each token weighs 1 / (its sequence's loss tokens): the token sum is the sum of sequence means.
+    weight = 1.0 / jnp.maximum(sequence_totals(mask, segment_ids), 1.0)
+    return _divide((_masked(per_token_loss, mask) * weight).sum(), _or(num_seqs, mask.shape[0]))
 
 
 @LOSS_AGGREGATIONS.register("seq_mean_token_sum")
@@ -88,6 +98,7 @@ def seq_mean_token_sum(
     num_tokens: Normalizer = None,
     num_seqs: Normalizer = None,
     max_len: Normalizer = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """`sum_b [sum_t loss*mask] / num_seqs`: the sequence log-likelihood objective of REINFORCE.
 
@@ -97,7 +108,7 @@ def seq_mean_token_sum(
     Reinforcement Learning" (Machine Learning 8); Liu et al. 2025, "Understanding R1-Zero-Like
     Training" (arXiv:2503.20783), sec. 3.
     """
-    del num_tokens, max_len
+    del num_tokens, max_len, segment_ids
     return _divide(_masked(per_token_loss, mask).sum(), _or(num_seqs, mask.shape[0]))
 
 
@@ -109,6 +120,7 @@ def seq_mean_token_sum_norm(
     num_tokens: Normalizer = None,
     num_seqs: Normalizer = None,
     max_len: Normalizer = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Dr. GRPO: `sum_b [sum_t loss*mask / max_len] / num_seqs`, a constant length normalizer.
 
@@ -121,7 +133,7 @@ def seq_mean_token_sum_norm(
     References: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"
     (arXiv:2503.20783).
     """
-    del num_tokens
+    del num_tokens, segment_ids
     total = _masked(per_token_loss, mask).sum()
     return _divide(total, _or(num_seqs, mask.shape[0]) * _or(max_len, mask.shape[1]))
 
@@ -146,6 +158,7 @@ def entropy_bonus(
     num_tokens: Normalizer = None,
     num_seqs: Normalizer = None,
     max_len: Normalizer = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """The entropy term to ADD to the loss: `-coef * aggregate(entropy, mask)` (minimizing it raises entropy).
 
@@ -157,4 +170,5 @@ def entropy_bonus(
     (arXiv:1602.01783).
     """
     aggregate = LOSS_AGGREGATIONS.get(aggregation)
-    return -coef * aggregate(entropy, mask, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
+    norms = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len, segment_ids=segment_ids)
+    return -coef * aggregate(entropy, mask, **norms)

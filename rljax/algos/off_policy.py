@@ -1,7 +1,8 @@
 """Importance weights correcting the trainer vs rollout-engine mismatch of the behaviour policy.
 
 Two small registries, resolved by name when the weights are traced:
-    IS_LEVELS  fn(log_ratio f32[B,T], mask f32[B,T]) -> log_weights f32[B,T]   (what each token is weighed by)
+    IS_LEVELS  fn(log_ratio f32[B,T], mask f32[B,T], segment_ids=None) -> log_weights f32[B,T]
+               (what each token is weighed by; a sequence is a row, or a segment of a packed row)
     IS_MODES   fn(raw f32[B,T], capped bool[B,T], cap: float) -> weights f32[B,T]   (what the cap does)
 `log_ratio` is the clamped per-token `trainer_logp - behavior_logp`, exactly 0 off the mask.
 """
@@ -14,42 +15,39 @@ import jax.numpy as jnp
 from rljax.registry import Registry
 
 from ._masked import clamp_log_ratio, masked_log_ratio, masked_mean
+from ._segments import sequence_totals
 
 IS_LEVELS: Registry = Registry("importance-weight level")
 IS_MODES: Registry = Registry("importance-weight mode")
 
 
-def _per_row(row_log_w: jax.Array, like: jax.Array) -> jax.Array:
-    """Broadcasts `f32[B,1]` row log-weights to every token of the row, `f32[B,T]`."""
-    return jnp.broadcast_to(row_log_w, like.shape)
-
-
 @IS_LEVELS.register("none")
-def no_correction(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
+def no_correction(log_ratio: jax.Array, mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     """No correction: log-weight 0 (weight 1) on every token. log_ratio, mask f32[B,T] -> f32[B,T].
 
     References: Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (arXiv:1707.06347),
     which assumes the sampler is the old policy.
     """
-    del mask
+    del mask, segment_ids
     return jnp.zeros_like(log_ratio)
 
 
 @IS_LEVELS.register("token")
-def token_level(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
+def token_level(log_ratio: jax.Array, mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     """Per-token weight `pi_trainer(y_t) / pi_behavior(y_t)`. log_ratio, mask f32[B,T] -> f32[B,T].
 
     References: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
     Training" (truncated IS, fengyao.notion.site).
     """
-    del mask
+    del mask, segment_ids
     return log_ratio
 
 
 @IS_LEVELS.register("sequence")
-def sequence_level(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
-    """The sequence likelihood ratio, the product over its loss tokens, on every token of the row:
-    `sum_t log_ratio[b, t]`, clamped. log_ratio, mask f32[B,T] -> f32[B,T].
+def sequence_level(log_ratio: jax.Array, mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """The sequence likelihood ratio, the product over its loss tokens, on every token of the sequence:
+    `sum_t log_ratio[b, t]` over the sequence, clamped. log_ratio, mask f32[B,T] -> f32[B,T];
+    segment_ids i32[B,T] for packed rows (None: each row is one sequence).
 
     Exact, but its variance grows with the length: on long answers it sits at the cap (or the clamp).
 
@@ -57,22 +55,22 @@ def sequence_level(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
     per-trajectory importance sampling.
     """
     del mask
-    return _per_row(clamp_log_ratio(log_ratio.sum(axis=1, keepdims=True)), log_ratio)
+    return clamp_log_ratio(sequence_totals(log_ratio, segment_ids))
 
 
 @IS_LEVELS.register("geometric")
-def geometric_level(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
+def geometric_level(log_ratio: jax.Array, mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     """The length-normalised sequence ratio, the geometric mean over its loss tokens, on every token of
-    the row: `sum_t log_ratio[b, t] / n_b` with n_b the row's loss tokens (0 for an empty row).
-    log_ratio, mask f32[B,T] -> f32[B,T].
+    the sequence: `sum_t log_ratio[b, t] / n` over the sequence, with n its loss tokens (0 when empty).
+    log_ratio, mask f32[B,T] -> f32[B,T]; segment_ids as for "sequence".
 
     A mean of clamped log-ratios is itself within the clamp; it does not saturate with the length.
 
     References: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071), the
     length-normalised sequence importance ratio.
     """
-    count = (mask > 0).sum(axis=1, keepdims=True).astype(jnp.float32)
-    return _per_row(log_ratio.sum(axis=1, keepdims=True) / jnp.maximum(count, 1.0), log_ratio)
+    count = sequence_totals((mask > 0).astype(jnp.float32), segment_ids)
+    return sequence_totals(log_ratio, segment_ids) / jnp.maximum(count, 1.0)
 
 
 @IS_MODES.register("truncate")
@@ -105,6 +103,7 @@ def importance_weights(
     level: str,
     mode: str,
     cap: float,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
     """Stop-gradient IS weights `w = pi_trainer(y) / pi_behavior(y)` for the policy loss (multiply per token).
 
@@ -114,6 +113,7 @@ def importance_weights(
     token of row b gets the product exp(sum_t ...); "geometric" the geometric mean exp(mean_t ...);
     "none" w = 1. Per-token log-ratios are clamped to +-20 (and the sequence sum too).
     `mode` names an IS_MODES entry: "truncate" min(w, cap); "mask" 0 where w > cap.
+    `segment_ids i32[B,T]` marks the sequences of packed rows (None: one sequence per row).
     Weights are 0 off the mask. Metrics on the raw (pre-cap) weights, mask-weighted over tokens:
     `is_weight_mean`, `is_weight_max`, `is_frac_capped` (fraction with w > cap).
 
@@ -124,7 +124,7 @@ def importance_weights(
     level_fn, mode_fn = IS_LEVELS.get(level), IS_MODES.get(mode)
     if not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap}")
-    log_w = level_fn(masked_log_ratio(trainer_logp, behavior_logp, mask), mask)
+    log_w = level_fn(masked_log_ratio(trainer_logp, behavior_logp, mask), mask, segment_ids)
     on = mask > 0
     raw = jnp.where(on, jnp.exp(log_w), 0.0)
     capped = on & (raw > cap)

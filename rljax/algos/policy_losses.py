@@ -1,7 +1,8 @@
 """Clipped policy-gradient losses, registered by name in POLICY_LOSSES.
 
 Every loss has the signature
-    fn(logp f32[B,T], old_logp f32[B,T], advantages f32[B] | f32[B,T], mask f32[B,T], **options)
+    fn(logp f32[B,T], old_logp f32[B,T], advantages f32[B] | f32[B,T], mask f32[B,T], *,
+       segment_ids=None (i32[B,T]: the sequences of packed rows), **options)
         -> (per_token_loss f32[B,T], metrics dict[str, f32[]])
 The loss is per token (0 off the mask) and NOT normalized: a LOSS_AGGREGATIONS entry does that, with
 global normalizers, so micro-batching is exact. Every metric is a mask-weighted mean over the given
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from rljax.registry import Registry
 
 from ._masked import masked_fraction, masked_log_ratio, masked_mean, per_token
+from ._segments import sequence_totals
 
 POLICY_LOSSES: Registry = Registry("policy loss")
 
@@ -78,6 +80,7 @@ def ppo_clip(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip_c: float | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
     """PPO clipped loss with a token-level ratio `exp(logp - old_logp)` (GRPO, DAPO, PPO actor).
 
@@ -90,6 +93,7 @@ def ppo_clip(
     References: Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (arXiv:1707.06347);
     Yu et al. 2025, "DAPO" (arXiv:2503.14476); Ye et al. 2020 (dual clip, arXiv:1912.09729).
     """
+    del segment_ids  # token-level: no per-sequence reduction
     ratio = jnp.exp(masked_log_ratio(logp, old_logp, mask))
     loss, metrics = clipped_objective(
         ratio,
@@ -113,11 +117,13 @@ def gspo(
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
     dual_clip_c: float | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
     """GSPO: PPO clipping on the sequence-level, length-normalized ratio (GSPO-token form).
 
     logp, old_logp, mask f32[B,T], advantages f32[B] or f32[B,T] -> (per_token_loss f32[B,T], metrics).
-    `s_b = exp(sum_t m (logp - old_logp) / sum_t m)` is the geometric-mean ratio of row b. Each token
+    `s_b = exp(sum_t m (logp - old_logp) / sum_t m)` is the geometric-mean ratio of sequence b (a row, or
+    with `segment_ids i32[B,T]` a segment of a packed row). Each token
     uses `s_b * pi(y_t) / sg[pi(y_t)]` (value s_b, gradient s_b * grad logp_t), so the whole sequence is
     clipped together; with `seq_mean_token_mean` aggregation and a per-sequence advantage this is
     exactly GSPO's objective. The defaults are the paper's clip range (3e-4, 4e-4), far smaller than
@@ -126,9 +132,10 @@ def gspo(
     References: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071).
     """
     log_ratio = masked_log_ratio(logp, old_logp, mask)
-    seq_log_ratio = log_ratio.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
+    count = sequence_totals(mask, segment_ids)
+    seq_log_ratio = sequence_totals(log_ratio, segment_ids) / jnp.maximum(count, 1.0)
     logp_on = jnp.where(mask > 0, logp, 0.0)
-    token_log_ratio = jax.lax.stop_gradient(seq_log_ratio)[:, None] + logp_on - jax.lax.stop_gradient(logp_on)
+    token_log_ratio = jax.lax.stop_gradient(seq_log_ratio) + logp_on - jax.lax.stop_gradient(logp_on)
     ratio = jnp.exp(token_log_ratio)  # |value| <= 20: a mean of clamped log-ratios
     loss, metrics = clipped_objective(
         ratio,

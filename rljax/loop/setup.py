@@ -43,7 +43,7 @@ class Run:
     state: Any
     ref_params: Any
     update: Callable
-    shard_batch: Callable
+    prepare_batch: Callable  # LossInputs -> (sharded batch, layout metrics): packed when configured
     advantages: Callable
     length_shaping: Callable
     engine: Any
@@ -216,7 +216,7 @@ def build_run(cfg: Config, workdir: str) -> Run:
         state=state,
         ref_params=params if cfg.algo.beta > 0 else None,
         update=make_update_fn(cfg, model_config, mesh),
-        shard_batch=lambda b: trainer.shard_batch(b, mesh),
+        prepare_batch=lambda b: trainer.prepare_batch(cfg, b, mesh),
         advantages=make_advantages(cfg),
         length_shaping=make_length_shaping(cfg),
         engine=engine,

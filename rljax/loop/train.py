@@ -60,7 +60,8 @@ def run_step(run: Run, step: int) -> dict:
         batch = broadcast_tree(batch, like=run.batch_template)
         if cfg.checkpoint.save_batches and leader:  # for `rljax.replay` of this update
             save_batch(run.workdir, step, batch)
-        sharded = run.shard_batch(batch)
+        sharded, layout_metrics = run.prepare_batch(batch)
+        batch_metrics = batch_metrics | layout_metrics
     with timer.phase("update"):
         run.state, update_metrics = run.update(run.state, sharded, run.ref_params)
     version = step + 1

@@ -4,12 +4,14 @@ Build once, outside jit, from the typed Config:
   optimizer = make_optimizer(cfg.optim, total_optimizer_steps(cfg))
   state = init_train_state(cfg, model_config, params, mesh)
   update = make_update(cfg, model_config, mesh)          # or make_ppo_update for algo.family == "ppo"
-  state, metrics = update(state, shard_batch(loss_inputs, mesh), ref_params)
+  batch, layout_metrics = prepare_batch(cfg, loss_inputs, mesh)   # packs when configured, then shards
+  state, metrics = update(state, batch, ref_params)
 """
 
 from rljax.trainer.batch import TrainBatch
 from rljax.trainer.logprobs import make_logprob_fn, sequence_logprobs
 from rljax.trainer.optim import make_optimizer, make_schedule, total_optimizer_steps
+from rljax.trainer.packing import layout_batch, prepare_batch
 from rljax.trainer.ppo import critic_values, make_ppo_train_step, make_ppo_update, token_rewards
 from rljax.trainer.state import (
     NonFiniteError,
@@ -35,6 +37,7 @@ __all__ = [
     "critic_values",
     "init_critic_params",
     "init_train_state",
+    "layout_batch",
     "make_logprob_fn",
     "make_optimizer",
     "make_ppo_train_step",
@@ -43,6 +46,7 @@ __all__ = [
     "make_train_step",
     "make_update",
     "param_shardings",
+    "prepare_batch",
     "put_global",
     "sequence_logprobs",
     "shard_batch",

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rljax.config import Config
 from rljax.trainer.state import BATCH_AXES
 
 # Metrics accumulated with max instead of sum across micro-batches.
@@ -37,6 +38,14 @@ def split_micro_batches(tree: Any, num_micro: int, mesh: Mesh) -> Any:
         return jax.lax.with_sharding_constraint(y, spec)
 
     return jax.tree.map(split, tree)
+
+
+def micro_batch_rows(cfg: Config, minibatch_rows: int, data_parallel: int) -> int:
+    """Rows per micro-batch: with packing (`trainer.tokens_per_micro_batch > 0`) one packed row per
+    data-parallel device, else `trainer.micro_batch_size` (0: the whole minibatch of `minibatch_rows`)."""
+    if cfg.trainer.tokens_per_micro_batch:
+        return data_parallel
+    return cfg.trainer.micro_batch_size or minibatch_rows
 
 
 def _merge(acc: dict, new: dict) -> dict:

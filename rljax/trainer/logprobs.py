@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from rljax import kernels, models
 from rljax.config import Config
-from rljax.trainer.accumulate import split_micro_batches
+from rljax.trainer.accumulate import micro_batch_rows, split_micro_batches
 from rljax.trainer.state import BATCH_AXES, batch_sharding, param_shardings, resolve_model_config
 from rljax.types import LossInputs
 
@@ -66,13 +66,14 @@ def sequence_logprobs(
 def pass_micro_batches(cfg: Config, rows: int, data_parallel: int) -> int:
     """Micro-batches of a no-gradient pass (old/reference log-probs, PPO values) over `rows` sequences.
 
-    Each is at most the train step's micro-batch: `trainer.micro_batch_size`, or the minibatch
-    (`rows / trainer.minibatches`) when 0. The count is the smallest M that divides every data-parallel
-    device's rows with `rows / M` within that bound, so the update's batch (a multiple of the
+    Each is at most the train step's micro-batch (`accumulate.micro_batch_rows`: one packed row per
+    device, or `trainer.micro_batch_size`, or the minibatch `rows / trainer.minibatches` when 0). The
+    count is the smallest M that divides every data-parallel device's rows with `rows / M` within that
+    bound, so the update's batch (a multiple of the
     micro-batch) runs exactly `rows / micro` of them and a batch smaller than one micro-batch (the
     weight-sync canary) runs whole. M divides each device's rows, so the strided split moves no data.
     """
-    micro = cfg.trainer.micro_batch_size or max(rows // cfg.trainer.minibatches, 1)
+    micro = micro_batch_rows(cfg, max(rows // cfg.trainer.minibatches, 1), data_parallel)
     per_device = rows // data_parallel if rows % data_parallel == 0 else rows
     fits = (m for m in range(1, per_device + 1) if per_device % m == 0 and rows <= m * micro)
     return next(fits, per_device)

@@ -16,6 +16,7 @@ Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,11 +27,12 @@ from jax.sharding import Mesh
 
 from rljax import algos
 from rljax.config import Config
-from rljax.trainer.accumulate import accumulate_gradients, guarded_update, is_finite
+from rljax.trainer.accumulate import accumulate_gradients, guarded_update, is_finite, micro_batch_rows
 from rljax.trainer.batch import TrainBatch
 from rljax.trainer.logprobs import sequence_logprobs
 from rljax.trainer.optim import make_optimizer, make_schedule, total_optimizer_steps
 from rljax.trainer.state import (
+    BATCH_AXES,
     TrainState,
     batch_sharding,
     param_shardings,
@@ -43,7 +45,8 @@ LossFn = Callable[[Any, TrainBatch, dict], tuple[jax.Array, dict]]
 
 
 def normalizers(batch: TrainBatch, *, max_len: int) -> dict:
-    """Global normalizers of a minibatch for the aggregations: token count, sequence rows, length budget.
+    """Global normalizers of a minibatch for the aggregations: token count, sequence count (segments with
+    loss tokens: one per row unpacked, several per packed row), length budget.
 
     `max_len` is Dr. GRPO's constant: the generation budget (`rollout.max_tokens`), bound outside jit,
     not the batch's padded width `T` (a length bucket that changes from step to step, which would
@@ -52,7 +55,7 @@ def normalizers(batch: TrainBatch, *, max_len: int) -> dict:
     mask = batch.inputs.loss_mask
     return {
         "num_tokens": jnp.maximum(mask.sum(), 1.0),
-        "num_seqs": mask.shape[0],
+        "num_seqs": algos.num_sequences(mask, batch.inputs.segment_ids),
         "max_len": max_len,
     }
 
@@ -70,22 +73,22 @@ def make_policy_loss(cfg: Config, model_config: Any) -> LossFn:
     model_config, impl = resolve_model_config(cfg, model_config), cfg.trainer.logprob_impl
 
     def loss_fn(params, mb: TrainBatch, norms: dict):
-        mask = mb.inputs.loss_mask
+        mask, seg = mb.inputs.loss_mask, mb.inputs.segment_ids
         logp, entropy = sequence_logprobs(model_config, params, mb.inputs, impl=impl)
-        pg_tok, pg_metrics = policy_loss(logp, mb.old_logp, mb.advantages, mask)
-        pg = aggregate(pg_tok * mb.is_weights, mask, **norms)
+        pg_tok, pg_metrics = policy_loss(logp, mb.old_logp, mb.advantages, mask, segment_ids=seg)
+        pg = aggregate(pg_tok * mb.is_weights, mask, **norms, segment_ids=seg)
         ntok = mask.sum()
         sums = {f"policy/{k}": v * ntok for k, v in pg_metrics.items()}
         sums |= {"loss/policy": pg, "tok/entropy": (entropy * mask).sum()}
         total = pg
         if kl_fn is not None:
             kl_tok = kl_fn(logp, mb.ref_logp)
-            kl_loss = a.beta * aggregate(kl_tok, mask, **norms)
+            kl_loss = a.beta * aggregate(kl_tok, mask, **norms, segment_ids=seg)
             sums |= {"loss/kl": kl_loss, "tok/kl": (kl_tok * mask).sum()}
             total = total + kl_loss
         if a.entropy_coef:
             ent_loss = algos.entropy_bonus(
-                entropy, mask, coef=a.entropy_coef, aggregation=a.aggregation, **norms
+                entropy, mask, coef=a.entropy_coef, aggregation=a.aggregation, **norms, segment_ids=seg
             )
             sums["loss/entropy"] = ent_loss
             total = total + ent_loss
@@ -111,6 +114,7 @@ def with_importance_weights(cfg: Config, batch: TrainBatch) -> tuple[TrainBatch,
         level=a.is_level,
         mode=a.is_mode,
         cap=a.is_cap,
+        segment_ids=batch.inputs.segment_ids,
     )
     return batch.replace(is_weights=jax.lax.stop_gradient(weights)), metrics
 
@@ -154,11 +158,11 @@ def advance(state: TrainState, finite: jax.Array, **changes) -> TrainState:
     )
 
 
-def num_micro_batches(cfg: Config, rows: int) -> int:
-    """Micro-batches per minibatch of `rows` sequences (trainer.micro_batch_size; 0 = whole)."""
-    micro = cfg.trainer.micro_batch_size or rows
+def num_micro_batches(cfg: Config, rows: int, data_parallel: int = 1) -> int:
+    """Micro-batches per minibatch of `rows` rows (see `micro_batch_rows`)."""
+    micro = micro_batch_rows(cfg, rows, data_parallel)
     if rows % micro:
-        raise ValueError(f"trainer.micro_batch_size={micro} does not divide the minibatch of {rows} rows")
+        raise ValueError(f"a micro-batch of {micro} rows does not divide the minibatch of {rows} rows")
     return rows // micro
 
 
@@ -167,12 +171,14 @@ def make_gradients(cfg: Config, mesh: Mesh, loss_fn: LossFn) -> Callable[[Any, T
     minibatch, then `loss_fn` gradients accumulated over micro-batches with the minibatch's normalizers
     (length budget `rollout.max_tokens`)."""
     max_len = cfg.rollout.max_tokens
+    data_parallel = math.prod(mesh.shape[a] for a in BATCH_AXES)
 
     def gradients(params, batch: TrainBatch):
         norms = normalizers(batch, max_len=max_len)
         batch, is_metrics = with_importance_weights(cfg, batch)
         fn = lambda p, mb: loss_fn(p, mb, norms)
-        grads, sums = accumulate_gradients(fn, params, batch, num_micro_batches(cfg, batch.num_rows), mesh)
+        num_micro = num_micro_batches(cfg, batch.num_rows, data_parallel)
+        grads, sums = accumulate_gradients(fn, params, batch, num_micro, mesh)
         return grads, policy_metrics(sums, norms["num_tokens"]) | is_metrics_out(is_metrics)
 
     return gradients

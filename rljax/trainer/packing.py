@@ -1,0 +1,192 @@
+"""Sequence packing: a batch of one-sequence rows -> rows of a fixed token budget, balanced over ranks.
+
+The loop hands the trainer the loss-input contract (`LossInputs`, one sampled sequence per row, padded on
+the host). With `trainer.tokens_per_micro_batch = N > 0` the trainer repacks it before it goes to the
+devices: whole sequences are placed first-fit-decreasing into rows of exactly N tokens, each with its
+own segment id (1, 2, ... within the row; 0 is padding) and positions restarting at 0, so attention,
+RoPE and every loss reduction stay per sequence. A micro-batch is then one packed row per data-parallel
+device, so the activations of a step are those of N tokens per device, whatever the rollout lengths.
+
+Per-sequence fields (advantages, rewards, group ids, policy versions) become per-token `[R, N]` arrays
+holding their sequence's value (0 on padding); the aggregations and sequence-level ratios reduce over
+segments (`rljax.algos` take `segment_ids`), so a packed batch gives the same loss as the unpacked one.
+
+Rows are dealt to the data-parallel ranks so each rank holds about the same number of real tokens, and
+their count is rounded up (with empty rows) to a multiple of ranks x minibatches, the layout
+`trainer.accumulate.split_micro_batches` expects: device d's contiguous block holds one row of each
+micro-batch.
+
+Host-side numpy only; deterministic (the same batch packs the same way on every process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from jax.sharding import Mesh
+
+from rljax.config import Config
+from rljax.trainer.state import BATCH_AXES, shard_batch
+from rljax.types import SEQUENCE_FIELDS, TOKEN_FIELDS, LossInputs, validate_loss_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingPlan:
+    """Which source rows go where. `rows[r]` lists the source rows packed, in order, into packed row r
+    (an empty tuple is a padding row); `row_len` is the packed row length N."""
+
+    rows: tuple[tuple[int, ...], ...]
+    row_len: int
+
+
+def first_fit_decreasing(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+    """Bins of source indices whose lengths sum to <= row_len: longest first, each into the first bin
+    with room (ties broken by index, so the result is deterministic)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = int(lengths[i])
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(row_len - n)
+    return bins
+
+
+def balance_over_ranks(bins: list[list[int]], fills: list[int], num_ranks: int) -> list[list[int]]:
+    """Bins (count a multiple of num_ranks) dealt to ranks, each rank the same number of bins and about
+    the same number of tokens: fullest bin first, to the rank with the fewest tokens that has room
+    (longest-processing-time rule). Returns the bins in rank order (rank r's are a contiguous block)."""
+    per_rank = len(bins) // num_ranks
+    ranks: list[list[int]] = [[] for _ in range(num_ranks)]
+    tokens = [0] * num_ranks
+    for b in sorted(range(len(bins)), key=lambda b: (-fills[b], b)):
+        open_ranks = [r for r in range(num_ranks) if len(ranks[r]) < per_rank]
+        r = min(open_ranks, key=lambda r: (tokens[r], r))
+        ranks[r].append(b)
+        tokens[r] += fills[b]
+    return [bins[b] for rank in ranks for b in rank]
+
+
+def plan_packing(
+    lengths: Sequence[int], *, row_len: int, num_ranks: int = 1, rows_multiple: int = 1
+) -> PackingPlan:
+    """PackingPlan for sequences of `lengths` tokens into rows of `row_len`, the row count rounded up to
+    a multiple of `rows_multiple` (itself a multiple of `num_ranks`) with empty rows, balanced over ranks.
+
+    Raises ValueError for a sequence longer than a row (it could only be split, which would change its
+    attention and its per-sequence loss).
+    """
+    if rows_multiple % num_ranks:
+        raise ValueError(f"rows_multiple={rows_multiple} is not a multiple of num_ranks={num_ranks}")
+    too_long = [int(n) for n in lengths if n > row_len]
+    if too_long:
+        raise ValueError(
+            f"a sequence of {max(too_long)} tokens does not fit a packed row of "
+            f"trainer.tokens_per_micro_batch={row_len}; raise it to at least the longest sequence "
+            "(prompt + rollout.max_tokens)"
+        )
+    bins = first_fit_decreasing(lengths, row_len)
+    bins += [[] for _ in range(-len(bins) % rows_multiple)]
+    fills = [sum(int(lengths[i]) for i in b) for b in bins]
+    ordered = balance_over_ranks(bins, fills, num_ranks)
+    return PackingPlan(rows=tuple(tuple(b) for b in ordered), row_len=row_len)
+
+
+def sequence_lengths(batch: LossInputs) -> np.ndarray:
+    """i32[B]: the real (non-padding) positions of each one-sequence row."""
+    return (np.asarray(batch.segment_ids) > 0).sum(axis=1).astype(np.int32)
+
+
+def pack_token_arrays(arrays: dict, segment_ids: np.ndarray, plan: PackingPlan) -> dict:
+    """Per-token `[B,T]` arrays of a one-sequence-per-row batch (real positions: `segment_ids > 0`)
+    -> the same arrays in the packed layout `[R, N]` of `plan` (0 on padding)."""
+    real = np.asarray(segment_ids) > 0
+    shape = (len(plan.rows), plan.row_len)
+    out = {name: np.zeros(shape, np.asarray(x).dtype) for name, x in arrays.items()}
+    for r, members in enumerate(plan.rows):
+        offset = 0
+        for b in members:
+            keep = real[b]
+            n = int(keep.sum())
+            for name, x in arrays.items():
+                out[name][r, offset : offset + n] = np.asarray(x)[b][keep]
+            offset += n
+    return out
+
+
+def packed_segment_ids(plan: PackingPlan, lengths: Sequence[int]) -> np.ndarray:
+    """i32[R, N]: 1, 2, ... for the sequences of each packed row, in order; 0 on padding."""
+    out = np.zeros((len(plan.rows), plan.row_len), np.int32)
+    for r, members in enumerate(plan.rows):
+        offset = 0
+        for seg, b in enumerate(members, start=1):
+            out[r, offset : offset + int(lengths[b])] = seg
+            offset += int(lengths[b])
+    return out
+
+
+def pack_loss_inputs(batch: LossInputs, plan: PackingPlan) -> LossInputs:
+    """The packed LossInputs `[R, N]` of a one-sequence-per-row batch (see the module docstring).
+
+    Token fields are copied sequence by sequence (each keeps its positions, which start at 0; segment
+    ids become 1, 2, ... per row); sequence fields become per-token `[R, N]`. The result is validated
+    (packed form) before it is returned.
+    """
+    seg = np.asarray(batch.segment_ids)
+    arrays = {name: np.asarray(getattr(batch, name)) for name in TOKEN_FIELDS}
+    for name in SEQUENCE_FIELDS:
+        per_row = np.asarray(getattr(batch, name))
+        arrays[name] = np.broadcast_to(per_row[:, None], seg.shape)
+    out = pack_token_arrays(arrays, seg, plan)
+    out["segment_ids"] = packed_segment_ids(plan, sequence_lengths(batch))
+    return validate_loss_inputs(dataclasses.replace(batch, **out))
+
+
+def padding_fraction(batch: LossInputs) -> float:
+    """Padded positions / positions processed (`batch/pad_fraction`) of a packed or unpacked batch."""
+    seg = np.asarray(batch.segment_ids)
+    return float(1.0 - (seg > 0).sum() / max(seg.size, 1))
+
+
+def rank_token_imbalance(batch: LossInputs, num_ranks: int) -> float:
+    """max / mean real tokens over the data-parallel ranks' contiguous row blocks (1.0 = balanced)."""
+    seg = np.asarray(batch.segment_ids)
+    per_rank = (seg > 0).reshape(num_ranks, -1).sum(axis=1).astype(np.float64)
+    return float(per_rank.max() / max(per_rank.mean(), 1.0))
+
+
+def layout_batch(cfg: Config, batch: LossInputs, data_parallel: int) -> tuple[LossInputs, dict]:
+    """The batch the devices train on, and its layout metrics: packed into rows of
+    `trainer.tokens_per_micro_batch` tokens (row count a multiple of data_parallel x trainer.minibatches)
+    when that is > 0, else the batch as given. Metrics: `batch/pad_fraction`, `batch/rows`, and when
+    packed `batch/rank_token_imbalance`."""
+    n = cfg.trainer.tokens_per_micro_batch
+    if n:
+        plan = plan_packing(
+            sequence_lengths(batch),
+            row_len=n,
+            num_ranks=data_parallel,
+            rows_multiple=data_parallel * cfg.trainer.minibatches,
+        )
+        batch = pack_loss_inputs(batch, plan)
+    metrics = {"batch/pad_fraction": padding_fraction(batch), "batch/rows": float(batch.input_ids.shape[0])}
+    if n:
+        metrics["batch/rank_token_imbalance"] = rank_token_imbalance(batch, data_parallel)
+    return batch, metrics
+
+
+def prepare_batch(cfg: Config, batch: LossInputs, mesh: Mesh) -> tuple[LossInputs, dict]:
+    """`layout_batch` on the host, then the global sharded batch (`shard_batch`); every process packs the
+    same (broadcast) batch the same way. Returns (sharded batch, layout metrics)."""
+    data_parallel = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    laid_out, metrics = layout_batch(cfg, batch, data_parallel)
+    return shard_batch(laid_out, mesh), metrics
