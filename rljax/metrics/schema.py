@@ -101,7 +101,7 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
      f"Largest |logp_trainer - logp_rollout| over {_T}."),
     ("batch/pad_fraction", "fraction", "ratio",
      "Padded positions / positions the update processes (packed rows, or one-sequence rows of a bucket)."),
-    ("batch/rows", "rows", "last", "Rows of the update batch as the devices see it (packed rows when packing)."),
+    ("batch/rows", "rows", "last", "Rows of the update batch as the devices see it (packed when packing)."),
     ("batch/rank_token_imbalance", "ratio", "max",
      "Packing: max / mean real tokens over the data-parallel ranks (1 = balanced)."),
     ("advantages/mean", "advantage", "mean", f"Mean advantage over {_S} (about 0 when group-normalized)."),
