@@ -1,6 +1,6 @@
 """Per-device memory of the trainer at real shapes, compiled for N simulated CPU devices (nothing allocated).
 
-Command (compile only; a few minutes for 7B at 8k on 2 CPU cores):
+Command (compile only: about 30 s for the 7B at 8k on 2 CPU cores, a few GB of host memory):
     .venv/bin/python benchmarks/bench_memory.py --model qwen2.5-7b --devices 8 --mesh fsdp=8 \\
         --seq-len 8192 --rollouts 512 --beta 0.04 --json /tmp/mem.json
 Shapes come from rljax.models.presets (random weights are never materialized). f32 master params, bf16
@@ -8,7 +8,8 @@ compute, AdamW, remat `--remat` (the config default "full"), attention `--attent
 The train step gets one micro-batch of `--tokens-per-device` tokens per device (default: the sequence
 length, one sequence per device) out of the whole rollout batch, i.e. gradient accumulation over
 `rollouts / micro_batch_size` micro-batches, plus the optimizer update; `old_logprobs` runs over the
-whole rollout batch; `ref_logprobs` (with `--beta` > 0) is the same pass on the reference copy.
+whole rollout batch; `ref_logprobs` (with `--beta` > 0) is the same executable on the reference copy
+(compiled once; it differs in what else the device holds, `resident`).
 Prints a table and writes JSON: `train_step_bytes`, `old_logprobs_bytes`, `ref_logprobs_bytes` (each
 argument + output + temp - alias from `compiled.memory_analysis()`, per device), `train_step_temp_bytes`,
 `<function>_compile_s`, the per-function details and the inputs. Good looks like: the 7B at fsdp=8, 8192 x

@@ -165,7 +165,6 @@ def estimate_train_memory(cfg: Config, shape: ModelShape, num_devices: int) -> d
         activations = shape.layers * layer
     chunk = min(shape.vocab, LOGPROB_CHUNK)
     pass_seqs = max(1, cfg.rollout.batch_size // data_parallel)
-    pass_tokens = pass_seqs * seq_len
     return {
         "params": params,
         "optimizer": 2 * params if cfg.optim.name == "adamw" else 0.0,  # adam's mu and nu
@@ -176,23 +175,18 @@ def estimate_train_memory(cfg: Config, shape: ModelShape, num_devices: int) -> d
         "logprob_chunks": 3 * tokens * chunk * 4,  # f32 logits, softmax and its gradient for one chunk
         # forward only: one layer at a time, f32 final hidden states, logits and softmax of one chunk
         "logprob_pass": _layer_activation_bytes(cfg, shape, pass_seqs, seq_len, sizes["tensor"])
-        + pass_tokens * (shape.hidden + 2 * chunk) * 4,
+        + pass_seqs * seq_len * (shape.hidden + 2 * chunk) * 4,
     }
-
-
-HELD_PARTS = ("params", "optimizer", "reference", "critic")
-STEP_PARTS = ("grads", "activations", "logprob_chunks")
 
 
 def estimated_peak(parts: dict[str, float]) -> float:
     """Peak bytes per device from `estimate_train_memory` parts: held parts + the larger phase."""
-    step = sum(parts[k] for k in STEP_PARTS)
-    return sum(parts[k] for k in HELD_PARTS) + max(step, parts["logprob_pass"])
+    held = parts["params"] + parts["optimizer"] + parts["reference"] + parts["critic"]
+    return held + max(parts["grads"] + parts["activations"] + parts["logprob_chunks"], parts["logprob_pass"])
 
 
 def memory_budget(cfg: Config, device_memory_bytes: int) -> tuple[float, str]:
-    """(bytes one device may hold, where that figure comes from): `mesh.device_memory_gib` when set,
-    else the device's own memory."""
+    """(bytes one device may hold, its source): `mesh.device_memory_gib` if set, else the device's own."""
     if cfg.mesh.device_memory_gib > 0:
         return cfg.mesh.device_memory_gib * GIB, "mesh.device_memory_gib"
     return float(device_memory_bytes), "the device's own"
@@ -200,8 +194,8 @@ def memory_budget(cfg: Config, device_memory_bytes: int) -> tuple[float, str]:
 
 def compiled_memory(cfg: Config, num_devices: int) -> tuple[dict | None, str]:
     """(per-function CompiledMemory report, "") for the configured shapes, compiled on this process's
-    devices (rljax.memory); or (None, why compiling is impossible here). Other errors propagate: a step
-    that cannot be traced or sharded fails the run as well."""
+    devices (rljax.memory); or (None, why compiling is impossible here). Other errors propagate (a step
+    that cannot be traced or sharded here fails the run as well)."""
     import jax  # after runtime.initialize_jax has set the device count
 
     from rljax import memory
@@ -245,7 +239,10 @@ def check_memory(
     budget, source = memory_budget(cfg, device_memory_bytes)
     colocated = not cfg.rollout.vllm.urls
     reserved = cfg.rollout.vllm.gpu_memory_utilization * budget if colocated else 0.0
-    report, why = compiled_memory(cfg, num_devices) if compiled else (None, "compilation not requested")
+    try:
+        report, why = compiled_memory(cfg, num_devices) if compiled else (None, "compilation not requested")
+    except ValueError as e:  # e.g. a mesh axis that does not divide a dimension: the run would fail too
+        return [f"memory: the train step cannot be built for this setup: {e}"]
     if report is None:
         log(f"memory: hand-formula estimate, not compiled ({why})")
         parts = estimate_train_memory(cfg, shape, num_devices)
