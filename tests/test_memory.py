@@ -16,6 +16,7 @@ from rljax import memory, models, preflight
 from rljax.config import Config
 from rljax.models.presets import PRESETS
 from rljax.sharding import make_mesh
+from rljax.trainer.optim import make_optimizer, total_optimizer_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1024**3
@@ -58,20 +59,23 @@ def reports(mesh):
     }
 
 
-def test_report_has_every_pass_with_positive_bytes(reports):
+def test_report_has_every_pass_with_positive_bytes(reports, mesh):
     report = reports[64]
     assert set(report) == {"train_step", "old_logprobs", "ref_logprobs"}
     for name, m in report.items():
         assert m.argument_bytes > 0 and m.temp_bytes > 0 and m.compile_s > 0, (name, m)
         assert m.peak_bytes == m.argument_bytes + m.output_bytes + m.temp_bytes - m.alias_bytes
     # The state is donated: its outputs alias its inputs (parameters + adam moments, at least).
-    state = memory.abstract_train_state(tiny_cfg(), TINY, make_mesh(1, -1, 1), adamw())
+    state = memory.abstract_train_state(tiny_cfg(), TINY, mesh, adamw())
     assert report["train_step"].alias_bytes >= memory.device_bytes(state)
+    # The reference pass is the old pass's executable; beside it the device holds the whole state.
+    ref, old = report["ref_logprobs"], report["old_logprobs"]
+    assert ref.peak_bytes == old.peak_bytes and ref.resident_bytes > memory.device_bytes(state)
 
 
 def adamw():
     cfg = tiny_cfg()
-    return memory.make_optimizer(cfg.optim, memory.total_optimizer_steps(cfg))
+    return make_optimizer(cfg.optim, total_optimizer_steps(cfg))
 
 
 def test_doubling_rows_raises_the_batch_argument_bytes(reports):
