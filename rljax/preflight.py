@@ -1,16 +1,18 @@
 """Preflight: catches impossible setups before anything is allocated, one clear line per problem.
 
 Checks: the mesh against the devices and processes, batch divisibility (global batch, group size,
-minibatches, micro-batch, per-device share), a per-device memory estimate (parameters, gradients, optimizer
-state, reference/critic copies, activations, log-prob chunks) from the model's config.json against device
-memory, the rollout server's memory budget, and the reachability of configured rollout servers.
+minibatches, micro-batch, per-device share), the trainer's per-device memory against the budget
+(`mesh.device_memory_gib`, else the device's own), the rollout server's memory budget, and the
+reachability of configured rollout servers. Memory is read from the compiler: the train step and the
+log-prob passes are compiled for the configured shapes (`rljax.memory`, nothing allocated); the hand
+formula `estimate_train_memory` is only the fallback where that is impossible, and says why.
 
 Library: `run_preflight(cfg, num_devices=..., num_processes=..., device_memory_bytes=..., rollout_urls=...)`
 returns the failures (empty list: go). Command line, same arguments as `rljax.main` (under srun every task
 joins the JAX job first, so the device count is the whole job's):
     python -m rljax.preflight --config=configs/grpo.py:smoke [--config.a.b=v ...] [--workdir=DIR]
-It exits 0 and prints `preflight: ok ...`, or prints each failure as `preflight: FAIL <field>: <why>` and
-exits 2.
+It prints the per-device memory report, then exits 0 with `preflight: ok ...`, or prints each failure as
+`preflight: FAIL <field>: <why>` and exits 2.
 """
 
 from __future__ import annotations
@@ -26,9 +28,7 @@ from rljax import config as config_lib
 from rljax.config import Config
 
 GIB = 1024**3
-LOGPROB_CHUNK = (
-    4096  # vocab chunk width of rljax.kernels' fused log-prob impls (kernels/xla.py DEFAULT_CHUNK)
-)
+LOGPROB_CHUNK = 4096  # vocab chunk width of rljax.kernels' fused log-prob impls (kernels/xla.py)
 ROLLOUT_OVERHEAD = 1.2  # vLLM's weights + activation/graph workspace, relative to the weights alone
 
 
@@ -127,55 +127,138 @@ def check_batches(cfg: Config, num_devices: int) -> list[str]:
     return out
 
 
+def _layer_activation_bytes(cfg: Config, shape: ModelShape, seqs: int, seq_len: int, tensor: int) -> float:
+    """One layer's activations for `seqs` rows of `seq_len` tokens (Korthikanti et al. 2022, sec. 4:
+    s*b*h*(34 + 5*a*s/h) bytes in 16-bit); the attention term spans one key block instead of the whole
+    row unless attention is materialized."""
+    from rljax.models.attention import resolve_attention_impl  # imports jax: after initialize_jax
+
+    scale = _DTYPE_BYTES[cfg.model.compute_dtype] / 2  # the reference counts 16-bit activations
+    keys = seq_len
+    if resolve_attention_impl(cfg.model.attention_impl) != "materialized":
+        keys = min(seq_len, cfg.model.attention_block_size)
+    d = shape.hidden
+    return seqs * seq_len * d * (34 + 5 * shape.heads * keys / d) * scale / tensor
+
+
 def estimate_train_memory(cfg: Config, shape: ModelShape, num_devices: int) -> dict[str, float]:
-    """Bytes per device of the trainer, by part: params, grads, optimizer, reference, critic, activations,
-    logprob_chunks. Parameters shard over fsdp*tensor; activations of one micro-batch per device.
+    """Bytes per device of the trainer by part, the fallback where the step cannot be compiled.
+
+    Held throughout: params, optimizer, reference, critic (parameters shard over fsdp*tensor). The train
+    step adds grads, activations and logprob_chunks for one micro-batch per device; the old/reference
+    log-prob pass adds logprob_pass over its rows (the whole rollout batch). `estimated_peak(parts)` is
+    the larger of the two phases. Checked against compiled numbers in tests/test_preflight.py.
 
     References: activations per layer ~ s*b*h*(34 + 5*a*s/h) bytes in 16-bit, 2*s*b*h with full remat
     (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4).
     """
     sizes = config_lib.mesh_shape(cfg.mesh, num_devices)
-    model_shards = sizes["fsdp"] * sizes["tensor"]
-    param_bytes = _DTYPE_BYTES[cfg.model.param_dtype]
-    params = shape.num_params * param_bytes / model_shards
-    optimizer = 2 * params if cfg.optim.name == "adamw" else 0.0  # adam's mu and nu, in the param dtype
+    model_shards, data_parallel = sizes["fsdp"] * sizes["tensor"], sizes["data"] * sizes["fsdp"]
+    params = shape.num_params * _DTYPE_BYTES[cfg.model.param_dtype] / model_shards
     minibatch = cfg.rollout.batch_size // cfg.trainer.minibatches
-    micro = cfg.trainer.micro_batch_size or minibatch
-    seqs = max(1, micro // (sizes["data"] * sizes["fsdp"]))
+    seqs = max(1, (cfg.trainer.micro_batch_size or minibatch) // data_parallel)
     seq_len = cfg.rollout.vllm.max_model_len  # the longest length bucket
-    scale = _DTYPE_BYTES[cfg.model.compute_dtype] / 2  # the reference formula counts 16-bit activations
-    tokens, d = seqs * seq_len, shape.hidden
-    if cfg.model.remat != "none":
-        per_layer = 2 * tokens * d * scale
+    tokens, layer = seqs * seq_len, _layer_activation_bytes(cfg, shape, seqs, seq_len, sizes["tensor"])
+    if cfg.model.remat != "none":  # layer inputs kept, one layer recomputed at a time
+        activations = shape.layers * tokens * shape.hidden * _DTYPE_BYTES[cfg.model.compute_dtype] + layer
     else:
-        per_layer = tokens * d * (34 + 5 * shape.heads * seq_len / d) * scale / sizes["tensor"]
+        activations = shape.layers * layer
     chunk = min(shape.vocab, LOGPROB_CHUNK)
-    parts = {
+    pass_seqs = max(1, cfg.rollout.batch_size // data_parallel)
+    return {
         "params": params,
-        "grads": params,
-        "optimizer": optimizer,
+        "optimizer": 2 * params if cfg.optim.name == "adamw" else 0.0,  # adam's mu and nu
         "reference": params if cfg.algo.beta > 0 else 0.0,
         "critic": 4 * params if cfg.algo.family == "ppo" else 0.0,  # its params, grads, adam moments
-        "activations": shape.layers * per_layer,
+        "grads": params,
+        "activations": activations,
         "logprob_chunks": 3 * tokens * chunk * 4,  # f32 logits, softmax and its gradient for one chunk
+        # forward only: one layer at a time, f32 final hidden states, logits and softmax of one chunk
+        "logprob_pass": _layer_activation_bytes(cfg, shape, pass_seqs, seq_len, sizes["tensor"])
+        + pass_seqs * seq_len * (shape.hidden + 2 * chunk) * 4,
     }
-    return parts
 
 
-def check_memory(cfg: Config, shape: ModelShape, num_devices: int, device_memory_bytes: int) -> list[str]:
-    """The trainer's estimate against device memory (and, with vLLM beside it, the share vLLM reserves)."""
-    parts = estimate_train_memory(cfg, shape, num_devices)
-    total = sum(parts.values())
+def estimated_peak(parts: dict[str, float]) -> float:
+    """Peak bytes per device from `estimate_train_memory` parts: held parts + the larger phase."""
+    held = parts["params"] + parts["optimizer"] + parts["reference"] + parts["critic"]
+    return held + max(parts["grads"] + parts["activations"] + parts["logprob_chunks"], parts["logprob_pass"])
+
+
+def memory_budget(cfg: Config, device_memory_bytes: int) -> tuple[float, str]:
+    """(bytes one device may hold, its source): `mesh.device_memory_gib` if set, else the device's own."""
+    if cfg.mesh.device_memory_gib > 0:
+        return cfg.mesh.device_memory_gib * GIB, "mesh.device_memory_gib"
+    return float(device_memory_bytes), "the device's own"
+
+
+def compiled_memory(cfg: Config, num_devices: int) -> tuple[dict | None, str]:
+    """(per-function CompiledMemory report, "") for the configured shapes, compiled on this process's
+    devices (rljax.memory); or (None, why compiling is impossible here). Other errors propagate (a step
+    that cannot be traced or sharded here fails the run as well)."""
+    import jax  # after runtime.initialize_jax has set the device count
+
+    from rljax import memory
+    from rljax.sharding import make_mesh
+
+    if jax.device_count() != num_devices:
+        return None, f"this process sees {jax.device_count()} devices, the check is for {num_devices}"
+    try:
+        model_config = memory.read_model_config(cfg.model.path)
+    except ValueError as e:  # an architecture the trainer cannot build: the formula still applies
+        return None, f"model.path config.json: {e}"
+    mesh = make_mesh(**config_lib.mesh_shape(cfg.mesh, num_devices))
+    try:
+        return memory.compiled_train_memory(cfg, model_config, mesh, memory.shapes_from_config(cfg)), ""
+    except RuntimeError as e:  # XLA's own errors (JaxRuntimeError) and backends without memory analysis
+        return None, f"compiling failed: {str(e).splitlines()[0][:300]}"
+
+
+def _compiled_need(cfg: Config, report: dict) -> tuple[float, str]:
+    """(bytes at the peak, the detail) of a compiled report."""
+    from rljax.memory import format_report, peak_function
+
+    peak = peak_function(report)
+    rows, seq = cfg.rollout.batch_size, cfg.rollout.vllm.max_model_len
+    detail = f"at its peak ({peak}); compiled for {rows} rows x {seq} tokens: " + format_report(report)
+    return report[peak].total_bytes, detail
+
+
+def check_memory(
+    cfg: Config,
+    shape: ModelShape,
+    num_devices: int,
+    device_memory_bytes: int,
+    *,
+    compiled: bool = True,
+    log=lambda line: None,
+) -> list[str]:
+    """The trainer's per-device memory against the budget (and, with vLLM beside it, the share vLLM
+    reserves). Compiled numbers (`compiled_memory`) when `compiled` and possible, else the hand formula
+    (`estimate_train_memory`); `log(line)` gets the numbers, or why it fell back to the formula."""
+    budget, source = memory_budget(cfg, device_memory_bytes)
     colocated = not cfg.rollout.vllm.urls
-    reserved = cfg.rollout.vllm.gpu_memory_utilization * device_memory_bytes if colocated else 0.0
-    if total + reserved <= device_memory_bytes:
+    reserved = cfg.rollout.vllm.gpu_memory_utilization * budget if colocated else 0.0
+    try:
+        report, why = compiled_memory(cfg, num_devices) if compiled else (None, "compilation not requested")
+    except ValueError as e:  # e.g. a mesh axis that does not divide a dimension: the run would fail too
+        return [f"memory: the train step cannot be built for this setup: {e}"]
+    if report is None:
+        log(f"memory: hand-formula estimate, not compiled ({why})")
+        parts = estimate_train_memory(cfg, shape, num_devices)
+        total = estimated_peak(parts)
+        detail = "hand formula: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items() if v)
+    else:
+        total, detail = _compiled_need(cfg, report)
+        log(f"memory per device, GiB, {detail}; budget {budget / GIB:.2f} GiB ({source})")
+    if total + reserved <= budget:
         return []
-    detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items() if v)
     vllm = f" + vLLM's {reserved / GIB:.2f} GiB (rollout.vllm.gpu_memory_utilization)" if reserved else ""
+    remat = ", or set model.remat=full" if cfg.model.remat == "none" else ""
     return [
-        f"memory: the trainer needs ~{total / GIB:.2f} GiB per device ({detail}){vllm}, but a device has "
-        f"{device_memory_bytes / GIB:.2f} GiB; shard more (mesh.fsdp/tensor), lower "
-        "trainer.micro_batch_size, or set model.remat=full"
+        f"memory: the trainer needs {total / GIB:.2f} GiB per device ({detail}){vllm}, but a device has "
+        f"{budget / GIB:.2f} GiB ({source}); shard more (mesh.fsdp/tensor) or lower "
+        f"trainer.micro_batch_size{remat}"
     ]
 
 
@@ -193,9 +276,8 @@ def check_rollout_budget(cfg: Config, shape: ModelShape, device_memory_bytes: in
     return [
         f"rollout.vllm.gpu_memory_utilization: {vcfg.gpu_memory_utilization} of "
         f"{device_memory_bytes / GIB:.2f} GiB is {budget / GIB:.2f} GiB, but vLLM needs "
-        f"~{(weights + kv) / GIB:.2f} GiB (weights "
-        f"{weights / GIB:.2f} with workspace, KV cache of one {vcfg.max_model_len}-token sequence "
-        f"{kv / GIB:.3f})"
+        f"~{(weights + kv) / GIB:.2f} GiB (weights {weights / GIB:.2f} with workspace, KV cache of one "
+        f"{vcfg.max_model_len}-token sequence {kv / GIB:.3f})"
     ]
 
 
@@ -226,10 +308,14 @@ def run_preflight(
     device_memory_bytes: int,
     rollout_urls=None,
     url_timeout_s: float = 2.0,
+    compiled: bool = True,
+    log=lambda line: None,
 ) -> list[str]:
     """All checks; returns one line per failure (empty: the setup is possible).
 
-    `rollout_urls` defaults to `cfg.rollout.vllm.urls`. Memory checks need `<model.path>/config.json`.
+    `rollout_urls` defaults to `cfg.rollout.vllm.urls`. Memory checks need `<model.path>/config.json`;
+    with `compiled` (and `num_devices` devices in this process) they compile the train step and log-prob
+    passes for the configured shapes (`check_memory`); `log(line)` receives the memory report.
     """
     failures = check_mesh(cfg, num_devices, num_processes) + check_batches(cfg, num_devices)
     config_json = os.path.join(cfg.model.path, "config.json")
@@ -239,8 +325,8 @@ def run_preflight(
         )
     elif not failures:  # the estimate needs a valid mesh and batch split
         shape = read_model_shape(cfg.model.path)
-        failures += check_memory(cfg, shape, num_devices, device_memory_bytes)
-        failures += check_rollout_budget(cfg, shape, device_memory_bytes)
+        failures += check_memory(cfg, shape, num_devices, device_memory_bytes, compiled=compiled, log=log)
+        failures += check_rollout_budget(cfg, shape, memory_budget(cfg, device_memory_bytes)[0])
     urls = cfg.rollout.vllm.urls if rollout_urls is None else rollout_urls
     return failures + check_urls(urls, url_timeout_s)
 
@@ -298,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         num_devices=jax.device_count(),
         num_processes=jax.process_count(),
         device_memory_bytes=device_memory_bytes(),
+        log=lambda line: print(f"preflight: {line}", flush=True),
     )
     for line in failures:
         print(f"preflight: FAIL {line}", flush=True)

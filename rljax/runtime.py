@@ -91,7 +91,9 @@ def _slurm_step_tasks() -> int:
 
 
 def preflight_or_fail(cfg: config_lib.Config) -> None:
-    """Runs `rljax.preflight` on this machine before any allocation; exits 2, all failures on one line."""
+    """Runs `rljax.preflight` on this machine before any allocation (it compiles the train step and the
+    log-prob passes for the configured shapes and prints their per-device memory); exits 2, all
+    failures on one line."""
     import jax
 
     from rljax import preflight
@@ -101,6 +103,7 @@ def preflight_or_fail(cfg: config_lib.Config) -> None:
         num_devices=jax.device_count(),
         num_processes=jax.process_count(),
         device_memory_bytes=preflight.device_memory_bytes(),
+        log=lambda line: print(f"rljax: preflight: {line}", flush=True),
     )
     if failures:
         fail("preflight: " + "; ".join(failures))

@@ -72,6 +72,25 @@ def test_preflight_runs_before_training(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_startup_fails_on_the_compiled_memory_budget(tmp_path):
+    """Start-up compiles the train step and log-prob passes for the configured shapes (before vLLM or
+    the parameters): a budget below their per-device bytes stops the run with those numbers."""
+    proc = run_main(
+        "--config=configs/grpo.py", f"--workdir={tmp_path}", "--config.mesh.device_memory_gib=0.01"
+    )
+    assert_user_error(
+        proc,
+        "preflight",
+        "memory:",
+        "compiled for 64 rows x 512 tokens",
+        "train_step",
+        "temp",
+        "a device has 0.01 GiB (mesh.device_memory_gib)",
+    )
+    assert "rljax: preflight: memory per device, GiB" in proc.stdout
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_missing_config_file(tmp_path):
     proc = run_main("--config=configs/nope.py", f"--workdir={tmp_path}")
     assert_user_error(proc, "no such config file")
