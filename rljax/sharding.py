@@ -29,6 +29,9 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "length": (),
     "vocab": ("tensor",),
     "embed": ("fsdp",),
+    # Activations keep their hidden dimension whole: their rows are split over (data, fsdp) instead,
+    # and FSDP gathers each layer's weights (not the batch).
+    "act_embed": (),
     "mlp": ("tensor",),
     "heads": ("tensor",),
     "kv": ("tensor",),

@@ -3,9 +3,13 @@
 Pure functions of `(config, params, ...)`, jit-able with `config` static. Layers are stacked and run
 with `jax.lax.scan` (rematerialised per layer by `config.remat`, a `REMAT_POLICIES` name). Attention is
 `config.attention_impl` from `ATTENTION_IMPLS`, given the mask as slots and segment ids (no `[B,T,S]`
-mask is built here; "auto" resolves by backend when the function is traced). Dtype policy: params are cast to
-`config.compute_dtype` where used (so float32 master params with bfloat16 compute work); the residual
-stream is kept in the compute dtype, as in the Hugging Face and vLLM references; norms, RoPE and the
+mask is built here; "auto" resolves by backend when the function is traced). With a `mesh`, activations
+carry logical-axis constraints (residual stream `(batch, length, act_embed)`, q/k/v heads, the MLP's
+hidden units), so under FSDP every device computes its own rows while the layer's weights are gathered
+one layer at a time, instead of XLA gathering the batch to keep the weights split.
+Dtype policy: params are cast to `config.compute_dtype` where used (so float32 master params with
+bfloat16 compute work); the residual stream is kept in the compute dtype, as in the Hugging Face and
+vLLM references; norms, RoPE and the
 softmax run in float32; logits and the returned hidden states are float32.
 """
 
@@ -17,15 +21,30 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
+from rljax import sharding
 from rljax.models import layers
 from rljax.models.attention import ATTENTION_IMPLS, resolve_attention_impl
 from rljax.models.config import ModelConfig, rope_inv_freq
 from rljax.models.params import unembed_matrix
 from rljax.models.remat import remat_layer
 
+Constrain = Callable[[jax.Array, tuple], jax.Array]
+RESIDUAL = ("batch", "length", "act_embed")
+QUERIES = ("batch", "length", "heads", "head_dim")
+KEYS = ("batch", "length", "kv", "head_dim")
+MLP_HIDDEN = ("batch", "length", "mlp")
 
-def _qkv(config: ModelConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):
+
+def _constrainer(mesh: Mesh | None) -> Constrain:
+    """`constrain(x, logical_names)`: a sharding constraint on `mesh`, or the identity without one."""
+    if mesh is None:
+        return lambda x, names: x
+    return lambda x, names: sharding.logical_constraint(x, names, mesh)
+
+
+def _qkv(config: ModelConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array, constrain: Constrain):
     """Projections of `h [B,T,d]` -> q [B,T,H,hd], k/v [B,T,K,hd], with bias, q/k norm and RoPE."""
     dtype = h.dtype
     out = []
@@ -33,7 +52,7 @@ def _qkv(config: ModelConfig, lp: dict, h: jax.Array, cos: jax.Array, sin: jax.A
         x = jnp.einsum("btd,dnk->btnk", h, lp[name]["kernel"].astype(dtype))
         if config.attention_bias:
             x = x + lp[name]["bias"].astype(dtype)
-        out.append(x)
+        out.append(constrain(x, QUERIES if name == "q_proj" else KEYS))
     q, k, v = out
     if config.qk_norm:
         q = layers.rms_norm(q, lp["q_norm"]["scale"], config.rms_norm_eps, dtype)
@@ -55,13 +74,14 @@ def _attention(config: ModelConfig, q_slots, k_slots, q_segments, k_segments) ->
     )
 
 
-def _layer(config: ModelConfig, lp: dict, x: jax.Array, rope, attn, kv=None, write_index=None):
-    """One pre-norm block on the residual `x [B,T,d]`; `attn(q, k, v)` from `_attention`. With `kv`
-    (cache k/v `[B,S,K,hd]`) the new keys and values are written at `write_index` and attention runs
-    over the cache. Returns (x, kv)."""
+def _layer(config: ModelConfig, lp: dict, x: jax.Array, rope, attn, constrain, kv=None, write_index=None):
+    """One pre-norm block on the residual `x [B,T,d]`; `attn(q, k, v)` from `_attention`, `constrain`
+    from `_constrainer`. With `kv` (cache k/v `[B,S,K,hd]`) the new keys and values are written at
+    `write_index` and attention runs over the cache. Returns (x, kv)."""
     eps, dtype = config.rms_norm_eps, x.dtype
+    x = constrain(x, RESIDUAL)
     h = layers.rms_norm(x, lp["attn_norm"]["scale"], eps, dtype)
-    q, k, v = _qkv(config, lp, h, *rope)
+    q, k, v = _qkv(config, lp, h, *rope, constrain)
     if kv is not None:
         k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), write_index, axis=1)
         v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), write_index, axis=1)
@@ -69,18 +89,21 @@ def _layer(config: ModelConfig, lp: dict, x: jax.Array, rope, attn, kv=None, wri
     o = jnp.einsum("btnk,nkd->btd", attn(q, k, v), lp["o_proj"]["kernel"].astype(dtype))
     if config.attention_out_bias:
         o = o + lp["o_proj"]["bias"].astype(dtype)
-    x = x + o
+    x = constrain(x + o, RESIDUAL)
     h = layers.rms_norm(x, lp["mlp_norm"]["scale"], eps, dtype)
-    mlp = layers.swiglu_mlp(h, lp["gate_proj"]["kernel"], lp["up_proj"]["kernel"], lp["down_proj"]["kernel"])
-    return x + mlp, kv
+    hidden = functools.partial(constrain, names=MLP_HIDDEN)
+    mlp = layers.swiglu_mlp(
+        h, lp["gate_proj"]["kernel"], lp["up_proj"]["kernel"], lp["down_proj"]["kernel"], hidden
+    )
+    return constrain(x + mlp, RESIDUAL), kv
 
 
-def _run_layers(config: ModelConfig, params: dict, x, rope, attn, cache_kv=None, write_index=None):
+def _run_layers(config: ModelConfig, params: dict, x, rope, attn, constrain, cache_kv=None, write_index=None):
     """Scans `_layer` over the stacked layer params (and the stacked cache `[L,B,S,K,hd]`)."""
 
     def body(x, xs):
         lp, kv = xs
-        x, kv = _layer(config, lp, x, rope, attn, kv, write_index)
+        x, kv = _layer(config, lp, x, rope, attn, constrain, kv, write_index)
         return x, kv
 
     return jax.lax.scan(remat_layer(config.remat, body), x, (params["layers"], cache_kv))
@@ -106,6 +129,7 @@ def hidden_states(
     *,
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
+    mesh: Mesh | None = None,
 ) -> jax.Array:
     """Final-norm hidden states `f32[B,T,d]` of `input_ids i32[B,T]`.
 
@@ -113,13 +137,17 @@ def hidden_states(
     padding (its outputs are finite but meaningless). Default: one segment per row.
     positions i32[B,T]: RoPE positions; default restarts at 0 with every segment (so packed rows and
     left/right padding need no positions argument).
+    mesh: constrain activations to the logical-axis layout on this mesh (inside a sharded jit).
     """
     positions, segment_ids = _defaults(input_ids, positions, segment_ids)
     slots = jnp.arange(input_ids.shape[1], dtype=jnp.int32)
     attn = _attention(config, slots, slots, segment_ids, segment_ids)
     rope = layers.rope_angles(jnp.asarray(rope_inv_freq(config)), positions)
-    x, _ = _run_layers(config, params, _embed(config, params, input_ids), rope, attn)
-    return layers.rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps, jnp.float32)
+    constrain = _constrainer(mesh)
+    x = constrain(_embed(config, params, input_ids), RESIDUAL)
+    x, _ = _run_layers(config, params, x, rope, attn, constrain)
+    hidden = layers.rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps, jnp.float32)
+    return constrain(hidden, RESIDUAL)
 
 
 def logits_from_hidden(config: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
@@ -136,10 +164,11 @@ def forward(
     *,
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
+    mesh: Mesh | None = None,
 ) -> jax.Array:
-    """Next-token logits `f32[B,T,V]` of `input_ids i32[B,T]` (positions / segment_ids as in
+    """Next-token logits `f32[B,T,V]` of `input_ids i32[B,T]` (positions / segment_ids / mesh as in
     `hidden_states`)."""
-    hidden = hidden_states(config, params, input_ids, positions=positions, segment_ids=segment_ids)
+    hidden = hidden_states(config, params, input_ids, positions=positions, segment_ids=segment_ids, mesh=mesh)
     return logits_from_hidden(config, params, hidden)
 
 
@@ -171,7 +200,9 @@ def _cached_forward(config, params, cache, input_ids, positions, segment_ids):
     attn = _attention(config, q_slots, jnp.arange(max_len, dtype=jnp.int32), segment_ids, seg_all)
     rope = layers.rope_angles(jnp.asarray(rope_inv_freq(config)), positions)
     x = _embed(config, params, input_ids)
-    x, (k, v) = _run_layers(config, params, x, rope, attn, (cache["k"], cache["v"]), index)
+    x, (k, v) = _run_layers(
+        config, params, x, rope, attn, _constrainer(None), (cache["k"], cache["v"]), index
+    )
     hidden = layers.rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps, jnp.float32)
     new_cache = {
         "k": k,

@@ -25,20 +25,27 @@ from rljax.trainer.state import BATCH_AXES, batch_sharding, param_shardings, res
 from rljax.types import LossInputs
 
 
-def sequence_hidden(model_config: Any, params: Any, batch: LossInputs) -> jax.Array:
+def sequence_hidden(model_config: Any, params: Any, batch: LossInputs, mesh: Mesh | None = None) -> jax.Array:
     """Final-norm hidden states `f32[B,T,d]` of `batch.input_ids` with its positions and segment ids
-    (the decoder computes in `model_config.compute_dtype`)."""
+    (the decoder computes in `model_config.compute_dtype`). With `mesh` (inside a sharded jit) the
+    activations are constrained to the logical layout: each device computes its own rows."""
     return models.hidden_states(
         model_config,
         params,
         batch.input_ids,
         positions=batch.positions,
         segment_ids=batch.segment_ids,
+        mesh=mesh,
     )
 
 
 def sequence_logprobs(
-    model_config: models.ModelConfig, params: Any, batch: LossInputs, *, impl: str = "auto"
+    model_config: models.ModelConfig,
+    params: Any,
+    batch: LossInputs,
+    *,
+    impl: str = "auto",
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob and entropy of every target token: `(logp f32[B,T], entropy f32[B,T])`.
 
@@ -50,7 +57,7 @@ def sequence_logprobs(
     References: Shannon 1948 (entropy); the fused kernel is `rljax.kernels.token_logprobs`.
     """
     dtype = jnp.dtype(model_config.compute_dtype)
-    hidden = sequence_hidden(model_config, params, batch).astype(dtype)
+    hidden = sequence_hidden(model_config, params, batch, mesh).astype(dtype)
     b, t, d = hidden.shape
     logp, entropy = kernels.token_logprobs(
         hidden.reshape(b * t, d),
@@ -138,6 +145,6 @@ def make_logprob_fn(
     impl = cfg.trainer.logprob_impl
 
     def logprob_fn(params, batch):
-        return sequence_logprobs(model_config, params, batch, impl=impl)
+        return sequence_logprobs(model_config, params, batch, impl=impl, mesh=mesh)
 
     return jit_batch_pass(logprob_fn, cfg, mesh, param_shardings(model_config, mesh), num_outputs=2)

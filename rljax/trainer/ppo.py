@@ -61,9 +61,12 @@ __all__ = [
 ]
 
 
-def critic_values(model_config: Any, critic_params: dict, batch: LossInputs) -> jax.Array:
-    """V(s_t) for every position: `f32[B,T]` (decoder in `model_config.compute_dtype`, head in float32)."""
-    hidden = sequence_hidden(model_config, critic_params["decoder"], batch)
+def critic_values(
+    model_config: Any, critic_params: dict, batch: LossInputs, mesh: Mesh | None = None
+) -> jax.Array:
+    """V(s_t) for every position: `f32[B,T]` (decoder in `model_config.compute_dtype`, head in float32;
+    activations constrained on `mesh` when given)."""
+    hidden = sequence_hidden(model_config, critic_params["decoder"], batch, mesh)
     head = critic_params["value_head"]
     return hidden.astype(jnp.float32) @ head["kernel"] + head["bias"]
 
@@ -74,7 +77,7 @@ def make_values_fn(cfg: Config, model_config: Any, mesh: Mesh) -> Callable[[dict
     memory of one micro-batch; equal to the whole-batch pass). Critic on `critic_shardings`, batch and
     values sharded like a batch; `fn.lower(abstract_critic, abstract_batch)` compiles it from shapes."""
     resolved = resolve_model_config(cfg, model_config)
-    values = lambda critic, batch: critic_values(resolved, critic, batch)  # noqa: E731
+    values = lambda critic, batch: critic_values(resolved, critic, batch, mesh)  # noqa: E731
     return jit_batch_pass(values, cfg, mesh, critic_shardings(resolved, mesh), num_outputs=1)
 
 
@@ -107,16 +110,16 @@ def make_advantages_fn(
     return jax.jit(fn, out_shardings=(batch_sharding(mesh), batch_sharding(mesh)))
 
 
-def make_ppo_loss(cfg: Config, model_config: Any):
+def make_ppo_loss(cfg: Config, model_config: Any, mesh: Mesh | None = None):
     """`loss_fn({"actor", "critic"}, mb, norms) -> (loss, sums)`: policy terms + vf_coef * value loss."""
-    policy_loss = make_policy_loss(cfg, model_config)
+    policy_loss = make_policy_loss(cfg, model_config, mesh)
     aggregate = algos.LOSS_AGGREGATIONS.get(cfg.algo.aggregation)
     model_config = resolve_model_config(cfg, model_config)
     vf_coef, clip = cfg.algo.vf_coef, cfg.algo.value_clip
 
     def loss_fn(params, mb: TrainBatch, norms: dict):
         pi_loss, sums = policy_loss(params["actor"], mb, norms)
-        values = critic_values(model_config, params["critic"], mb.inputs)
+        values = critic_values(model_config, params["critic"], mb.inputs, mesh)
         v_tok = algos.value_loss(values, mb.old_values, mb.returns, mb.inputs.loss_mask, clip=clip)
         v_loss = vf_coef * aggregate(v_tok, mb.inputs.loss_mask, **norms)
         total = pi_loss + v_loss
@@ -127,7 +130,7 @@ def make_ppo_loss(cfg: Config, model_config: Any):
 
 def make_ppo_step_fn(cfg: Config, model_config: Any, mesh: Mesh, optimizer: optax.GradientTransformation):
     """The un-jitted PPO step `(state, batch) -> (state, metrics)` (see make_ppo_train_step)."""
-    gradients = make_gradients(cfg, mesh, make_ppo_loss(cfg, model_config))
+    gradients = make_gradients(cfg, mesh, make_ppo_loss(cfg, model_config, mesh))
     schedule = make_schedule(cfg.optim, total_optimizer_steps(cfg))
 
     def step(state: TrainState, batch: TrainBatch):
@@ -158,7 +161,7 @@ def make_ppo_grad_fn(cfg: Config, model_config: Any, mesh: Mesh) -> Callable:
     step's accumulated gradients (no update). For tests and diagnostics."""
     resolved = resolve_model_config(cfg, model_config)
     shardings = {"actor": param_shardings(resolved, mesh), "critic": critic_shardings(resolved, mesh)}
-    return jit_grad_fn(make_gradients(cfg, mesh, make_ppo_loss(cfg, model_config)), shardings, mesh)
+    return jit_grad_fn(make_gradients(cfg, mesh, make_ppo_loss(cfg, model_config, mesh)), shardings, mesh)
 
 
 def make_ppo_train_step(

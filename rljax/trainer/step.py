@@ -60,7 +60,7 @@ def normalizers(batch: TrainBatch, *, max_len: int) -> dict:
     }
 
 
-def make_policy_loss(cfg: Config, model_config: Any) -> LossFn:
+def make_policy_loss(cfg: Config, model_config: Any, mesh: Mesh | None = None) -> LossFn:
     """`loss_fn(params, micro_batch, norms) -> (loss f32[], sums)` for the policy (GRPO family and PPO actor).
 
     `sums` holds linear accumulators (exact over micro-batches): the loss terms, token sums of KL and
@@ -74,7 +74,7 @@ def make_policy_loss(cfg: Config, model_config: Any) -> LossFn:
 
     def loss_fn(params, mb: TrainBatch, norms: dict):
         mask, seg = mb.inputs.loss_mask, mb.inputs.segment_ids
-        logp, entropy = sequence_logprobs(model_config, params, mb.inputs, impl=impl)
+        logp, entropy = sequence_logprobs(model_config, params, mb.inputs, impl=impl, mesh=mesh)
         pg_tok, pg_metrics = policy_loss(logp, mb.old_logp, mb.advantages, mask, segment_ids=seg)
         pg = aggregate(pg_tok * mb.is_weights, mask, **norms, segment_ids=seg)
         ntok = mask.sum()
@@ -188,7 +188,7 @@ def make_grpo_step_fn(
     cfg: Config, model_config: Any, mesh: Mesh, optimizer: optax.GradientTransformation
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
     """The un-jitted GRPO-family step `(state, batch) -> (state, metrics)` (see make_train_step)."""
-    gradients = make_gradients(cfg, mesh, make_policy_loss(cfg, model_config))
+    gradients = make_gradients(cfg, mesh, make_policy_loss(cfg, model_config, mesh))
     schedule = make_schedule(cfg.optim, total_optimizer_steps(cfg))
 
     def step(state: TrainState, batch: TrainBatch):
@@ -252,5 +252,5 @@ def jit_grad_fn(gradients: Callable, params_shardings: Any, mesh: Mesh) -> Calla
 def make_grad_fn(cfg: Config, model_config: Any, mesh: Mesh) -> Callable[[Any, TrainBatch], tuple[Any, dict]]:
     """Jitted `fn(params, batch) -> (grads, metrics)`: exactly the GRPO-family step's accumulated
     gradient (same micro-batching, no update) and its loss metrics. For tests and diagnostics."""
-    gradients = make_gradients(cfg, mesh, make_policy_loss(cfg, model_config))
+    gradients = make_gradients(cfg, mesh, make_policy_loss(cfg, model_config, mesh))
     return jit_grad_fn(gradients, param_shardings(resolve_model_config(cfg, model_config), mesh), mesh)
