@@ -37,6 +37,7 @@ from rljax.config import Config
 from rljax.trainer.batch import TrainBatch
 from rljax.trainer.logprobs import make_logprob_fn
 from rljax.trainer.optim import make_optimizer, total_optimizer_steps
+from rljax.trainer.packing import packed_row_length
 from rljax.trainer.ppo import make_ppo_train_step
 from rljax.trainer.state import (
     TrainState,
@@ -104,9 +105,12 @@ class TrainShapes:
 def shapes_from_config(cfg: Config) -> TrainShapes:
     """What a run compiles at its largest: `rollout.batch_size` rows of `rollout.vllm.max_model_len`
     tokens, minibatches of `rollout.batch_size / trainer.minibatches` rows. Packed
-    (`trainer.tokens_per_micro_batch` N > 0): rows of N tokens, at most one per sequence."""
+    (`trainer.tokens_per_micro_batch` N > 0): rows of N tokens, at most one per sequence, grown like the
+    packer grows them for a `max_model_len` sequence (`packing.packed_row_length`)."""
     rows = cfg.rollout.batch_size
-    seq_len = cfg.trainer.tokens_per_micro_batch or cfg.rollout.vllm.max_model_len
+    max_len = cfg.rollout.vllm.max_model_len
+    n = cfg.trainer.tokens_per_micro_batch
+    seq_len = packed_row_length(n, max_len) if n else max_len
     return TrainShapes(rows=rows, seq_len=seq_len, train_rows=rows // cfg.trainer.minibatches)
 
 

@@ -1,8 +1,10 @@
 """Sequence packing (host side): the plan, the packed layout, balance over ranks, padding accounting."""
 
+import mp_trainer_common as C
 import numpy as np
 import pytest
 
+from rljax.config import Config
 from rljax.loop.trajectory import Trajectory, build_loss_inputs
 from rljax.trainer import packing
 from rljax.types import BatchError, validate_loss_inputs
@@ -85,3 +87,14 @@ def test_packed_validation_rejects_an_empty_segment_and_allows_empty_rows():
     mask[packed.segment_ids == 2] = 0.0
     with pytest.raises(BatchError, match="a packed sequence has no loss tokens"):
         validate_loss_inputs(packed.replace(loss_mask=mask))
+
+
+def test_rows_grow_for_a_sequence_longer_than_the_budget():
+    assert packing.packed_row_length(64, 40) == 64
+    assert packing.packed_row_length(64, 167) == 256
+    batch = make_batch([12, 100, 9])
+    cfg = C.with_fields(Config(), trainer__tokens_per_micro_batch=64)
+    packed, metrics = packing.layout_batch(cfg, batch, 1)
+    assert packed.input_ids.shape[1] == 128 and metrics["batch/row_length"] == 128.0
+    assert sorted(packing.sequence_lengths(batch)) == [9, 12, 100]
+    assert int((packed.segment_ids > 0).sum()) == 121  # every token kept, nothing split

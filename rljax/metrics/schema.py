@@ -102,6 +102,8 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("batch/pad_fraction", "fraction", "ratio",
      "Padded positions / positions the update processes (packed rows, or one-sequence rows of a bucket)."),
     ("batch/rows", "rows", "last", "Rows of the update batch as the devices see it (packed when packing)."),
+    ("batch/row_length", "tokens", "max",
+     "Packing: tokens per packed row (trainer.tokens_per_micro_batch, grown for a longer sequence)."),
     ("batch/rank_token_imbalance", "ratio", "max",
      "Packing: max / mean real tokens over the data-parallel ranks (1 = balanced)."),
     ("advantages/mean", "advantage", "mean", f"Mean advantage over {_S} (about 0 when group-normalized)."),

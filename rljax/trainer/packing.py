@@ -83,7 +83,7 @@ def plan_packing(
     a multiple of `rows_multiple` (itself a multiple of `num_ranks`) with empty rows, balanced over ranks.
 
     Raises ValueError for a sequence longer than a row (it could only be split, which would change its
-    attention and its per-sequence loss).
+    attention and its per-sequence loss; `layout_batch` sizes rows with `packed_row_length` first).
     """
     if rows_multiple % num_ranks:
         raise ValueError(f"rows_multiple={rows_multiple} is not a multiple of num_ranks={num_ranks}")
@@ -164,16 +164,28 @@ def rank_token_imbalance(batch: LossInputs, num_ranks: int) -> float:
     return float(per_rank.max() / max(per_rank.mean(), 1.0))
 
 
+def packed_row_length(tokens_per_micro_batch: int, longest: int) -> int:
+    """Row length of a packed batch: `trainer.tokens_per_micro_batch`, or for a batch whose longest
+    sequence does not fit, the next power of two that holds it (a sequence is never split: that would
+    change its attention and its per-sequence loss). Few distinct lengths, so few compiles."""
+    row_len = tokens_per_micro_batch
+    while row_len < longest:
+        row_len *= 2
+    return row_len
+
+
 def layout_batch(cfg: Config, batch: LossInputs, data_parallel: int) -> tuple[LossInputs, dict]:
     """The batch the devices train on, and its layout metrics: packed into rows of
-    `trainer.tokens_per_micro_batch` tokens (row count a multiple of data_parallel x trainer.minibatches)
-    when that is > 0, else the batch as given. Metrics: `batch/pad_fraction`, `batch/rows`, and when
-    packed `batch/rank_token_imbalance`."""
+    `trainer.tokens_per_micro_batch` tokens (grown by `packed_row_length` for a longer sequence; row
+    count a multiple of data_parallel x trainer.minibatches) when that is > 0, else the batch as given.
+    Metrics: `batch/pad_fraction`, `batch/rows`, and when packed `batch/rank_token_imbalance` and
+    `batch/row_length`."""
     n = cfg.trainer.tokens_per_micro_batch
     if n:
+        lengths = sequence_lengths(batch)
         plan = plan_packing(
-            sequence_lengths(batch),
-            row_len=n,
+            lengths,
+            row_len=packed_row_length(n, int(lengths.max())),
             num_ranks=data_parallel,
             rows_multiple=data_parallel * cfg.trainer.minibatches,
         )
@@ -181,6 +193,7 @@ def layout_batch(cfg: Config, batch: LossInputs, data_parallel: int) -> tuple[Lo
     metrics = {"batch/pad_fraction": padding_fraction(batch), "batch/rows": float(batch.input_ids.shape[0])}
     if n:
         metrics["batch/rank_token_imbalance"] = rank_token_imbalance(batch, data_parallel)
+        metrics["batch/row_length"] = float(batch.input_ids.shape[1])
     return batch, metrics
 
 
