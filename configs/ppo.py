@@ -16,4 +16,5 @@ def get_config(preset=None):
     cfg.algo.lam = 0.95
     cfg.rollout.group_size = 1
     cfg.algo.aggregation = "token_mean"
+    cfg.trainer.tokens_per_micro_batch = 0  # packing is for the GRPO family (PPO's value targets are per row)
     return cfg

@@ -535,7 +535,8 @@ def validate_runtime(cfg: Config, num_devices: int) -> dict[str, int]:
     data_parallel = sizes["data"] * sizes["fsdp"]
     minibatch = cfg.rollout.batch_size // cfg.trainer.minibatches
     micro = cfg.trainer.micro_batch_size or minibatch
-    if micro % data_parallel:
+    # Packed rows are rounded up to a multiple of data*fsdp by the packer; only unpacked rows must split.
+    if not cfg.trainer.tokens_per_micro_batch and micro % data_parallel:
         raise ConfigError(
             "trainer.micro_batch_size",
             f"the micro-batch of {micro} sequences is not divisible by data*fsdp = {data_parallel}",

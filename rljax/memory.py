@@ -103,11 +103,11 @@ class TrainShapes:
 
 def shapes_from_config(cfg: Config) -> TrainShapes:
     """What a run compiles at its largest: `rollout.batch_size` rows of `rollout.vllm.max_model_len`
-    tokens, minibatches of `rollout.batch_size / trainer.minibatches` rows."""
+    tokens, minibatches of `rollout.batch_size / trainer.minibatches` rows. Packed
+    (`trainer.tokens_per_micro_batch` N > 0): rows of N tokens, at most one per sequence."""
     rows = cfg.rollout.batch_size
-    return TrainShapes(
-        rows=rows, seq_len=cfg.rollout.vllm.max_model_len, train_rows=rows // cfg.trainer.minibatches
-    )
+    seq_len = cfg.trainer.tokens_per_micro_batch or cfg.rollout.vllm.max_model_len
+    return TrainShapes(rows=rows, seq_len=seq_len, train_rows=rows // cfg.trainer.minibatches)
 
 
 def read_model_config(model_path: str) -> models.ModelConfig:
@@ -147,10 +147,12 @@ def abstract_train_state(
 
 
 def abstract_loss_inputs(cfg: Config, rows: int, seq_len: int, mesh: Mesh) -> LossInputs:
-    """LossInputs of ShapeDtypeStructs `[rows, seq_len]` / `[rows]`, rows sharded like a batch."""
+    """LossInputs of ShapeDtypeStructs `[rows, seq_len]` / `[rows]` (`[rows, seq_len]` when packed),
+    rows sharded like a batch."""
     s = batch_sharding(mesh)
     tok = lambda dtype: jax.ShapeDtypeStruct((rows, seq_len), dtype, sharding=s)  # noqa: E731
-    seq = lambda dtype: jax.ShapeDtypeStruct((rows,), dtype, sharding=s)  # noqa: E731
+    seq_shape = (rows, seq_len) if cfg.trainer.tokens_per_micro_batch else (rows,)
+    seq = lambda dtype: jax.ShapeDtypeStruct(seq_shape, dtype, sharding=s)  # noqa: E731
     return LossInputs(
         input_ids=tok(jnp.int32),
         target_ids=tok(jnp.int32),

@@ -119,7 +119,7 @@ def check_batches(cfg: Config, num_devices: int) -> list[str]:
     except config_lib.ConfigError:
         return out  # reported by check_mesh
     data_parallel = sizes["data"] * sizes["fsdp"]
-    if micro % data_parallel:
+    if not tr.tokens_per_micro_batch and micro % data_parallel:  # packed rows are rounded up to it
         out.append(
             f"trainer.micro_batch_size: the micro-batch of {micro} sequences does not split over "
             f"data*fsdp = {data_parallel} devices ({micro / data_parallel:g} per device)"
