@@ -22,7 +22,8 @@ class TrainBatch:
 
     Fields:
       inputs: the validated LossInputs.
-      old_logp: f32[B,T] the trainer's log-probs under the parameters at the start of the update.
+      old_logp: f32[B,T] the trainer's log-probs under the parameters at the start of the update, or
+        None for the on-policy step, which takes them from its own forward (`update.on_policy_shortcut`).
       advantages: f32[B] (GRPO family: `inputs.advantages`) or f32[B,T] (PPO: GAE).
       ref_logp: f32[B,T] reference-policy log-probs, or None when algo.beta == 0.
       is_weights: f32[B,T] trainer-vs-behaviour importance weights; set inside the step (None outside).

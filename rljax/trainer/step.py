@@ -9,6 +9,12 @@ token count, rows, and the generation budget `rollout.max_tokens` as Dr. GRPO's 
 The IS weights correct the trainer-vs-rollout-engine mismatch (they depend on no parameter, so they
 are computed once per minibatch, not per micro-batch).
 
+On-policy shortcut (`on_policy=True`, chosen by `rljax.trainer.update.on_policy_shortcut`): the batch
+carries no old log-probs; the loss takes `old_logp = stop_gradient(logp)` from its own forward, per
+micro-batch, with the IS weights and the trainer-vs-rollout gap computed there too (IS levels reduce
+per sequence and sequences never cross rows, so per micro-batch is exact; their metrics accumulate as
+token sums and `max/` maxima like the others).
+
 References: Shao et al. 2024, "DeepSeekMath" (GRPO); Schulman et al. 2017 (PPO clipped objective);
 Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (truncated IS).
 """
@@ -40,6 +46,7 @@ from rljax.trainer.state import (
     resolve_model_config,
     state_shardings,
 )
+from rljax.types import LossInputs
 
 LossFn = Callable[[Any, TrainBatch, dict], tuple[jax.Array, dict]]
 
@@ -60,11 +67,15 @@ def normalizers(batch: TrainBatch, *, max_len: int) -> dict:
     }
 
 
-def make_policy_loss(cfg: Config, model_config: Any, mesh: Mesh | None = None) -> LossFn:
+def make_policy_loss(
+    cfg: Config, model_config: Any, mesh: Mesh | None = None, *, on_policy: bool = False
+) -> LossFn:
     """`loss_fn(params, micro_batch, norms) -> (loss f32[], sums)` for the policy (GRPO family and PPO actor).
 
     `sums` holds linear accumulators (exact over micro-batches): the loss terms, token sums of KL and
-    entropy, and the policy loss's metrics weighted by the micro-batch token count.
+    entropy, and the policy loss's metrics weighted by the micro-batch token count. With `on_policy`
+    the micro-batch's old log-probs and IS weights come from this forward (`own_old_logp`, whose sums
+    join the others); `micro_batch.old_logp` is not read.
     """
     a = cfg.algo
     policy_loss = functools.partial(algos.POLICY_LOSSES.get(a.policy_loss), **algos_policy_options(cfg))
@@ -75,10 +86,11 @@ def make_policy_loss(cfg: Config, model_config: Any, mesh: Mesh | None = None) -
     def loss_fn(params, mb: TrainBatch, norms: dict):
         mask, seg = mb.inputs.loss_mask, mb.inputs.segment_ids
         logp, entropy = sequence_logprobs(model_config, params, mb.inputs, impl=impl, mesh=mesh)
+        mb, sums = own_old_logp(cfg, mb, logp) if on_policy else (mb, {})
         pg_tok, pg_metrics = policy_loss(logp, mb.old_logp, mb.advantages, mask, segment_ids=seg)
         pg = aggregate(pg_tok * mb.is_weights, mask, **norms, segment_ids=seg)
         ntok = mask.sum()
-        sums = {f"policy/{k}": v * ntok for k, v in pg_metrics.items()}
+        sums |= {f"policy/{k}": v * ntok for k, v in pg_metrics.items()}
         sums |= {"loss/policy": pg, "tok/entropy": (entropy * mask).sum()}
         total = pg
         if kl_fn is not None:
@@ -117,6 +129,44 @@ def with_importance_weights(cfg: Config, batch: TrainBatch) -> tuple[TrainBatch,
         segment_ids=batch.inputs.segment_ids,
     )
     return batch.replace(is_weights=jax.lax.stop_gradient(weights)), metrics
+
+
+# The trainer-vs-rollout log-prob gap on the loss tokens (update metrics; see `logprob_gap`).
+GAP_MAX = "logprob/trainer_vs_rollout_abs_diff_max"
+GAP_MEAN = "logprob/trainer_vs_rollout_abs_diff_mean"
+# `importance_weights` metrics that are maxima; the others are token-weighted means.
+IS_MAXIMA = ("is_weight_max",)
+
+
+def logprob_gap(trainer_logp: jax.Array, inputs: LossInputs) -> jax.Array:
+    """f32[B,T] `|trainer_logp - behavior_logp|` on the loss tokens, 0 elsewhere."""
+    return jnp.abs(trainer_logp - inputs.behavior_logp) * inputs.loss_mask
+
+
+def own_old_logp(cfg: Config, mb: TrainBatch, logp: jax.Array) -> tuple[TrainBatch, dict]:
+    """On-policy shortcut for one micro-batch: `old_logp = stop_gradient(logp)` (this forward's f32[b,T]),
+    the IS weights from it, and linear accumulators of the IS metrics (`tok/is_*` token sums of the
+    means, `max/is_*` maxima) and of the trainer-vs-rollout gap (`max/` GAP_MAX, `tok/logprob_gap`)."""
+    mb, is_metrics = with_importance_weights(cfg, mb.replace(old_logp=jax.lax.stop_gradient(logp)))
+    ntok = mb.inputs.loss_mask.sum()
+    sums = {
+        ("max/" + k if k in IS_MAXIMA else "tok/" + k): (v if k in IS_MAXIMA else v * ntok)
+        for k, v in is_metrics.items()
+    }
+    gap = logprob_gap(mb.old_logp, mb.inputs)
+    return mb, sums | {"max/" + GAP_MAX: gap.max(), "tok/logprob_gap": gap.sum()}
+
+
+def own_old_logp_metrics(sums: dict, num_tokens: jax.Array) -> dict:
+    """The update-level metrics of `own_old_logp`'s accumulated sums: `is/*` (as `is_metrics_out`) and
+    the gap's max and token mean, equal to those of the separate pass over the same minibatch."""
+    is_metrics = {
+        k.split("/", 1)[1]: v if k.startswith("max/") else v / num_tokens
+        for k, v in sums.items()
+        if k.startswith(("max/is_", "tok/is_"))
+    }
+    gap = {GAP_MAX: sums["max/" + GAP_MAX], GAP_MEAN: sums["tok/logprob_gap"] / num_tokens}
+    return is_metrics_out(is_metrics) | gap
 
 
 def policy_metrics(sums: dict, num_tokens: jax.Array) -> dict:
@@ -166,29 +216,46 @@ def num_micro_batches(cfg: Config, rows: int, data_parallel: int = 1) -> int:
     return rows // micro
 
 
-def make_gradients(cfg: Config, mesh: Mesh, loss_fn: LossFn) -> Callable[[Any, TrainBatch], tuple[Any, dict]]:
+def make_gradients(
+    cfg: Config, mesh: Mesh, loss_fn: LossFn, *, on_policy: bool = False
+) -> Callable[[Any, TrainBatch], tuple[Any, dict]]:
     """Un-jitted `fn(params, batch) -> (grads, metrics)` shared by every step: IS weights on the whole
     minibatch, then `loss_fn` gradients accumulated over micro-batches with the minibatch's normalizers
-    (length budget `rollout.max_tokens`)."""
+    (length budget `rollout.max_tokens`). With `on_policy` (`loss_fn` built with it too) the IS weights
+    are the loss's own, and the metrics add the trainer-vs-rollout gap (`own_old_logp_metrics`)."""
     max_len = cfg.rollout.max_tokens
     data_parallel = math.prod(mesh.shape[a] for a in BATCH_AXES)
 
     def gradients(params, batch: TrainBatch):
         norms = normalizers(batch, max_len=max_len)
-        batch, is_metrics = with_importance_weights(cfg, batch)
+        if not on_policy:
+            batch, is_metrics = with_importance_weights(cfg, batch)
         fn = lambda p, mb: loss_fn(p, mb, norms)
         num_micro = num_micro_batches(cfg, batch.num_rows, data_parallel)
         grads, sums = accumulate_gradients(fn, params, batch, num_micro, mesh)
-        return grads, policy_metrics(sums, norms["num_tokens"]) | is_metrics_out(is_metrics)
+        n = norms["num_tokens"]
+        extra = own_old_logp_metrics(sums, n) if on_policy else is_metrics_out(is_metrics)
+        return grads, policy_metrics(sums, n) | extra
 
     return gradients
 
 
+def make_policy_gradients(cfg: Config, model_config: Any, mesh: Mesh, *, on_policy: bool = False) -> Callable:
+    """`make_gradients` of the GRPO-family policy loss (see make_policy_loss for `on_policy`)."""
+    loss_fn = make_policy_loss(cfg, model_config, mesh, on_policy=on_policy)
+    return make_gradients(cfg, mesh, loss_fn, on_policy=on_policy)
+
+
 def make_grpo_step_fn(
-    cfg: Config, model_config: Any, mesh: Mesh, optimizer: optax.GradientTransformation
+    cfg: Config,
+    model_config: Any,
+    mesh: Mesh,
+    optimizer: optax.GradientTransformation,
+    *,
+    on_policy: bool = False,
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
     """The un-jitted GRPO-family step `(state, batch) -> (state, metrics)` (see make_train_step)."""
-    gradients = make_gradients(cfg, mesh, make_policy_loss(cfg, model_config, mesh))
+    gradients = make_policy_gradients(cfg, model_config, mesh, on_policy=on_policy)
     schedule = make_schedule(cfg.optim, total_optimizer_steps(cfg))
 
     def step(state: TrainState, batch: TrainBatch):
@@ -223,7 +290,12 @@ def jit_step(
 
 
 def make_train_step(
-    cfg: Config, model_config: Any, mesh: Mesh, *, optimizer: optax.GradientTransformation | None = None
+    cfg: Config,
+    model_config: Any,
+    mesh: Mesh,
+    *,
+    optimizer: optax.GradientTransformation | None = None,
+    on_policy: bool = False,
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
     """Jitted GRPO-family step `(state, batch) -> (state, metrics)`; the input state is donated.
 
@@ -233,11 +305,14 @@ def make_train_step(
     Metrics (replicated f32[] scalars): loss/total, loss/policy, loss/kl, loss/entropy, kl/mean,
     entropy/mean, clip/frac_low, clip/frac_high, is/weight_mean, is/weight_max, is/frac_capped,
     optim/grad_norm (before clipping), optim/lr, optim/skipped_steps, optim/nonfinite.
+    With `on_policy` (the update's on-policy shortcut) `batch.old_logp` is None: the step takes the old
+    log-probs from its own forward under stop-gradient, and adds the metrics GAP_MAX and GAP_MEAN.
     """
     if optimizer is None:
         optimizer = make_optimizer(cfg.optim, total_optimizer_steps(cfg))
     shardings = state_shardings(resolve_model_config(cfg, model_config), mesh, optimizer)
-    return jit_step(make_grpo_step_fn(cfg, model_config, mesh, optimizer), shardings, mesh)
+    step = make_grpo_step_fn(cfg, model_config, mesh, optimizer, on_policy=on_policy)
+    return jit_step(step, shardings, mesh)
 
 
 def jit_grad_fn(gradients: Callable, params_shardings: Any, mesh: Mesh) -> Callable:
@@ -249,8 +324,10 @@ def jit_grad_fn(gradients: Callable, params_shardings: Any, mesh: Mesh) -> Calla
     )
 
 
-def make_grad_fn(cfg: Config, model_config: Any, mesh: Mesh) -> Callable[[Any, TrainBatch], tuple[Any, dict]]:
+def make_grad_fn(
+    cfg: Config, model_config: Any, mesh: Mesh, *, on_policy: bool = False
+) -> Callable[[Any, TrainBatch], tuple[Any, dict]]:
     """Jitted `fn(params, batch) -> (grads, metrics)`: exactly the GRPO-family step's accumulated
     gradient (same micro-batching, no update) and its loss metrics. For tests and diagnostics."""
-    gradients = make_gradients(cfg, mesh, make_policy_loss(cfg, model_config, mesh))
+    gradients = make_policy_gradients(cfg, model_config, mesh, on_policy=on_policy)
     return jit_grad_fn(gradients, param_shardings(resolve_model_config(cfg, model_config), mesh), mesh)

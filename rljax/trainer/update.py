@@ -3,6 +3,8 @@
 `make_update(cfg, ...)` returns `update(state, batch, ref_params=None) -> (state, metrics)` for one
 rollout batch. Everything numeric happens in jitted functions; this module only sequences them,
 fetches each step's scalar metrics, and raises `NonFiniteError` after K consecutive skipped steps.
+When the run is on-policy for the trainer (`on_policy_shortcut`) the old log-probs are the single
+train step's own forward, so no separate pass runs for them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from rljax.config import Config
 from rljax.trainer.batch import TrainBatch
 from rljax.trainer.logprobs import make_logprob_fn
 from rljax.trainer.state import TrainState, batch_sharding, check_nonfinite, put_global, replicated
-from rljax.trainer.step import make_train_step
+from rljax.trainer.step import GAP_MAX, GAP_MEAN, logprob_gap, make_train_step
 from rljax.types import LossInputs
 
 StepFn = Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]
@@ -41,7 +43,7 @@ def make_select_rows(mesh: Mesh) -> Callable[[Any, jax.Array], Any]:
 # How per-step metrics combine over the steps of one update (default: mean).
 _LAST = ("optim/skipped_steps", "optim/lr")
 _SUM = ("optim/nonfinite",)
-_MAX = ("is/weight_max",)
+_MAX = ("is/weight_max", GAP_MAX)
 
 
 def summarize(history: list[dict]) -> dict:
@@ -83,18 +85,58 @@ def run_epochs(cfg: Config, mesh: Mesh, step: StepFn, state: TrainState, batch: 
 
 def mismatch_metrics(trainer_logp: jax.Array, batch: LossInputs) -> dict:
     """Trainer-vs-rollout log-prob gap on the loss tokens: max and mean |logp_trainer - logp_behavior|."""
-    mask = batch.loss_mask
-    diff = jnp.abs(trainer_logp - batch.behavior_logp) * mask
-    return {
-        "logprob/trainer_vs_rollout_abs_diff_max": diff.max(),
-        "logprob/trainer_vs_rollout_abs_diff_mean": diff.sum() / jnp.maximum(mask.sum(), 1.0),
-    }
+    diff = logprob_gap(trainer_logp, batch)
+    return {GAP_MAX: diff.max(), GAP_MEAN: diff.sum() / jnp.maximum(batch.loss_mask.sum(), 1.0)}
+
+
+def on_policy_shortcut(cfg: Config) -> bool:
+    """True when the old log-probs are provably the update's own forward: one epoch of one minibatch, so
+    the only train step runs on the parameters at the start of the update, which define the old
+    log-probs (`TrainBatch.old_logp`). Staleness (`trainer.max_staleness > 0`) does not change that:
+    a stale batch's behaviour policy differs (the IS weights against `behavior_logp` correct for it,
+    computed in the step from the same old log-probs), but its old log-probs are still the trainer's
+    under the current params, so the shortcut is exact with staleness too.
+    """
+    return cfg.trainer.epochs == 1 and cfg.trainer.minibatches == 1
 
 
 def make_update(
     cfg: Config, model_config: Any, mesh: Mesh, *, optimizer: optax.GradientTransformation | None = None
 ) -> Callable[..., tuple[TrainState, dict]]:
-    """GRPO family: `update(state, batch: LossInputs, ref_params=None) -> (state, metrics)`.
+    """GRPO family: `update(state, batch: LossInputs, ref_params=None) -> (state, metrics)`: the
+    on-policy update (`make_on_policy_update`) when `on_policy_shortcut(cfg)`, else the update with a
+    separate old log-prob pass (`make_separate_pass_update`). Same results, same metrics."""
+    build = make_on_policy_update if on_policy_shortcut(cfg) else make_separate_pass_update
+    return build(cfg, model_config, mesh, optimizer=optimizer)
+
+
+def make_on_policy_update(
+    cfg: Config, model_config: Any, mesh: Mesh, *, optimizer: optax.GradientTransformation | None = None
+) -> Callable[..., tuple[TrainState, dict]]:
+    """The update when `on_policy_shortcut(cfg)`: one train step that takes the old log-probs from its
+    own forward under stop-gradient (`make_train_step(on_policy=True)`), so no old log-prob pass runs;
+    the reference log-probs (algo.beta > 0) keep their pass. Metrics as `make_separate_pass_update`'s
+    (the trainer-vs-rollout gap comes out of the step)."""
+    if not on_policy_shortcut(cfg):
+        raise ValueError(
+            f"the on-policy update needs trainer.epochs == trainer.minibatches == 1, got "
+            f"{cfg.trainer.epochs} and {cfg.trainer.minibatches}"
+        )
+    logprob_fn = make_logprob_fn(cfg, model_config, mesh)  # reference log-probs only
+    step = make_train_step(cfg, model_config, mesh, optimizer=optimizer, on_policy=True)
+
+    def update(state: TrainState, batch: LossInputs, ref_params: Any = None):
+        ref_logp = reference_logprobs(cfg, logprob_fn, ref_params, batch)
+        train_batch = TrainBatch(inputs=batch, old_logp=None, advantages=batch.advantages, ref_logp=ref_logp)
+        return run_epochs(cfg, mesh, step, state, train_batch)
+
+    return update
+
+
+def make_separate_pass_update(
+    cfg: Config, model_config: Any, mesh: Mesh, *, optimizer: optax.GradientTransformation | None = None
+) -> Callable[..., tuple[TrainState, dict]]:
+    """GRPO family, any epochs x minibatches: `update(state, batch, ref_params=None) -> (state, metrics)`.
 
     Computes old log-probs with `state.params` (and reference log-probs with `ref_params` when
     algo.beta > 0) over the train step's micro-batches (`make_logprob_fn`: peak memory of one
