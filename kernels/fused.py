@@ -73,13 +73,14 @@ class HeadLayout:
 
 
 def head_layout(mesh: Mesh | None, vocab: int, dim: int) -> HeadLayout:
-    """The layout for unembed `[vocab, dim]` on `mesh` (None or one device: unpartitioned).
+    """The layout for unembed `[vocab, dim]` on `mesh` (None: unpartitioned; a one-device mesh still runs
+    under `shard_map`, with no collectives).
 
     Rows go over the `ROW_AXES` present in the mesh with size > 1, the vocab over `VOCAB_AXIS` when it
     divides `vocab` (otherwise that axis splits the rows too: the unembedding is replicated over it), the
     `d` of the unembedding over `EMBED_AXIS` when that splits the rows and divides `dim`.
     """
-    if mesh is None or mesh.size == 1:
+    if mesh is None:
         return HeadLayout()
     size = lambda axis: dict(mesh.shape).get(axis, 1)
     rows = [a for a in ROW_AXES if size(a) > 1]

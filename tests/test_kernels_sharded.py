@@ -124,3 +124,20 @@ def test_without_the_mesh_spmd_gathers_the_vocab_and_the_rows():
     mesh = sharding.make_mesh(fsdp=4, tensor=2)
     gathers = all_gather_shapes(compiled_hlo("xla", mesh, n, d, v, with_mesh=False))
     assert any(s[0] == v for s in gathers) and any(s[0] > n // 8 and s[-1] == d for s in gathers), gathers
+
+
+def test_one_device_mesh_runs_under_shard_map():
+    layout = fused.head_layout(jax.sharding.Mesh(jax.devices()[:1], ("fsdp",)), V, D)
+    assert layout.mesh is not None and layout.rows == () and layout.vocab is None and layout.embed is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "pallas"])
+def test_fused_kernels_under_shard_map_on_one_gpu(impl):
+    # The jax_triton / compiled Pallas call inside shard_map (on a one-GPU mesh) equals the plain call.
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    args = make_inputs(300, 128, 5000, seed=7)
+    (_, (lp1, ent1)), (dh1, dw1) = jax.jit(head_loss(impl, None, True))(*args)
+    (_, (lp, ent)), (dh, dw) = jax.jit(head_loss(impl, mesh, True))(*args)
+    for a, b in ((lp, lp1), (ent, ent1), (dh, dh1), (dw, dw1)):
+        assert rel_err(a, b) <= RTOL
