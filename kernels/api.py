@@ -7,6 +7,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from . import pallas as _pallas  # noqa: F401  (registers "pallas")
 from . import reference as _reference  # noqa: F401  (registers "reference")
@@ -62,6 +63,7 @@ def token_logprobs(
     return_entropy: bool = False,
     impl: str = "auto",
     block_size: int | None = None,
+    mesh: Mesh | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Log-probability of each target token (and the softmax entropy) without building [N, V] logits.
 
@@ -75,6 +77,9 @@ def token_logprobs(
       return_entropy: also return entropy f32[N] of softmax(logits).
       impl: "auto", or a registered name ("reference", "xla", "pallas", "triton").
       block_size: vocab chunk width for the fused impls (None: the impl's default).
+      mesh: the device mesh of the caller's sharded jit (None: no partitioning, the kernel sees whole
+        arrays). With it the fused impls run under `shard_map`: rows split over ("data", "fsdp"), a
+        vocab-parallel log-sum-exp over "tensor", unembed's d gathered over "fsdp" (`rljax.kernels.fused`).
     Returns:
       logp f32[N], or (logp f32[N], entropy f32[N]). Differentiable w.r.t. hidden and unembed
       (float32 accumulation; gradients come back in the input dtype).
@@ -91,5 +96,6 @@ def token_logprobs(
         scale=1.0 / float(temperature),
         with_entropy=bool(return_entropy),
         block_size=block_size,
+        mesh=mesh,
     )
     return (logp, entropy) if return_entropy else logp

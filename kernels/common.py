@@ -21,7 +21,6 @@ References: Milakov & Gimelshein, "Online normalizer calculation for softmax" (2
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 
 from rljax.registry import Registry
 
-# name -> fn(hidden, unembed, targets, *, scale, with_entropy, block_size)
+# name -> fn(hidden, unembed, targets, *, scale, with_entropy, block_size, mesh)
 #         -> (logp f32[N], entropy f32[N] | None)
 IMPLS: Registry[Callable[..., Any]] = Registry("token_logprobs impl")
 
@@ -120,45 +119,3 @@ def target_logits(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, sca
     rows = jnp.take(unembed, jnp.clip(targets, 0, unembed.shape[0] - 1), axis=0)
     prod = hidden.astype(jnp.float32) * rows.astype(jnp.float32)
     return jnp.sum(prod, axis=-1) * scale
-
-
-def make_fused(forward_stats: Callable[..., Any], backward_grads: Callable[..., Any]) -> Callable[..., Any]:
-    """Builds fn(hidden, unembed, targets, *, scale, with_entropy, block_size) -> (logp, entropy | None).
-
-    The result has a custom VJP that saves only the inputs and two f32[N] vectors, never [N, V].
-    Targets outside [0, V) (e.g. an ignore index) give logp = 0 and no log-prob gradient.
-    """
-
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-    def fused(hidden, unembed, targets, scale, with_entropy, block_size):
-        return fused_fwd(hidden, unembed, targets, scale, with_entropy, block_size)[0]
-
-    def fused_fwd(hidden, unembed, targets, scale, with_entropy, block_size):
-        lse, entropy = forward_stats(hidden, unembed, scale, with_entropy, block_size)
-        raw = target_logits(hidden, unembed, targets, scale) - lse
-        in_range = (targets >= 0) & (targets < unembed.shape[0])
-        logp = jnp.where(in_range, jnp.minimum(raw, 0.0), 0.0)
-        keep = in_range & (raw <= 0.0)  # where the clamp is active, logp is constant
-        out = (logp, entropy) if with_entropy else logp
-        return out, (hidden, unembed, targets, lse, entropy, keep)
-
-    def fused_bwd(scale, with_entropy, block_size, res, g):
-        hidden, unembed, targets, lse, entropy, keep = res
-        g_logp, g_ent = g if with_entropy else (g, None)
-        g_logp = jnp.where(keep, g_logp.astype(jnp.float32), 0.0)
-        c0, c1 = g_logp, None
-        if with_entropy:
-            c1 = g_ent.astype(jnp.float32)
-            c0 = g_logp + c1 * entropy
-        dh, dw = backward_grads(hidden, unembed, targets, lse, g_logp, c0, c1, scale, block_size)
-        return dh.astype(hidden.dtype), dw.astype(unembed.dtype), None
-
-    fused.defvjp(fused_fwd, fused_bwd)
-    # Jitted so eager calls compile once per shape instead of dispatching the chunk loop op by op.
-    fused_jit = jax.jit(fused, static_argnums=(3, 4, 5))
-
-    def call(hidden, unembed, targets, *, scale, with_entropy, block_size):
-        out = fused_jit(hidden, unembed, targets, scale, with_entropy, block_size)
-        return out if with_entropy else (out, None)
-
-    return call

@@ -21,12 +21,12 @@ from .common import (
     chunk_stats,
     finalize_stats,
     logit_cotangent,
-    make_fused,
     matmul_nn,
     matmul_nt,
     matmul_tn,
     merge_stats,
 )
+from .fused import make_fused
 
 # Accelerator defaults (a [256, d] x [d, 512] block matmul); on CPU interpret mode each grid program costs
 # milliseconds of Python, so blocks are made large there.

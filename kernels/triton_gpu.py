@@ -17,7 +17,8 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from .common import IMPLS, finalize_stats, make_fused, merge_stats
+from .common import IMPLS, finalize_stats, merge_stats
+from .fused import make_fused
 
 BN, BV, BD = 64, 64, 64  # tile sizes; tl.dot needs each >= 16
 BLOCKS_PER_PROG = 32  # vocab blocks one forward program streams over (fewer partial stats to merge)

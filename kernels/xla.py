@@ -16,12 +16,12 @@ from .common import (
     chunk_stats,
     finalize_stats,
     logit_cotangent,
-    make_fused,
     matmul_nn,
     matmul_nt,
     matmul_tn,
     merge_stats,
 )
+from .fused import make_fused
 
 # Target chunk width. On CPU, 4096 columns keep the [N, C] @ [C, d] matmuls near peak while the per-chunk
 # temporaries stay ~N * C * 4 bytes (32 MiB at N=2048); measured with bench_logprobs.py.

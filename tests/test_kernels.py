@@ -233,6 +233,12 @@ def test_triton_matches_reference_on_gpu(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}-d{}-V{}-b{}-T{}-ent{}".format(*c))
+def test_pallas_compiled_matches_reference_on_gpu(case):
+    assert_parity("pallas", case)
+
+
+@pytest.mark.gpu
 def test_triton_bfloat16_and_masking_on_gpu():
     hidden, unembed, targets, g_logp, g_ent = make_inputs(70, 96, 1500, seed=5, dtype=jnp.bfloat16)
     targets = targets.at[3].set(-100)

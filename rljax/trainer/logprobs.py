@@ -66,6 +66,7 @@ def sequence_logprobs(
         temperature=float(batch.temperature),
         return_entropy=True,
         impl=impl,
+        mesh=mesh,
     )
     return logp.reshape(b, t), entropy.reshape(b, t)
 
