@@ -45,7 +45,7 @@ def test_exiting_early_or_hanging_passes_nothing():
 
 
 def test_forged_pass_markers_do_not_count():
-    # Printing what a pass marker might look like is not a pass: markers carry a per-run random nonce.
+    # Printing what a pass marker might look like is not a pass: pass/fail is decided outside the sandbox.
     forged = "```python\nfor i in range(3):\n    print(f'deadbeef:{i}')\ndef add(a, b):\n    return -99\n```"
     assert code_score(forged, ASSERT_TESTS) == 0.0
 
@@ -66,3 +66,26 @@ def test_code_reward_through_the_pool():
         assert pool.wait_ready()  # includes the sandbox probe (code_reward.warmup)
         rewards, _, metrics = pool.score(batch)
     assert rewards[0] == pytest.approx(2 / 3) and metrics["reward_fn/errors"] == 0
+
+
+def test_check_forms_are_evaluated_outside_the_sandbox():
+    code = "```python\nimport math\ndef area(r):\n    return math.pi * r * r\n"
+    code += "def evens(n):\n    return [i for i in range(n) if i % 2 == 0]\n```"
+    tests = [
+        "assert math.isclose(area(1), 3.14159, rel_tol=1e-3)",
+        "assert abs(area(2) - 12.566) < 1e-2",
+        "assert 4 in evens(6) and 3 not in evens(6)",
+        "assert len(evens(10)) == 5 and not evens(0)",
+        "xs = evens(5)\nassert xs == [0, 2, 4]",
+        "assert sorted(set(evens(7))) == [0, 2, 4, 6]",
+        "assert evens(3) == [0, 2] == [0, 2.0]",
+        "assert area(1) > 4",
+    ]
+    assert code_score(code, tests) == pytest.approx(7 / 8)
+
+
+def test_checks_outside_top_level_asserts_are_rejected():
+    with pytest.raises(ValueError, match="top-level assert"):
+        code_score("```python\npass\n```", ["def check(f):\n    assert f(1) == 2\ncheck(g)"])
+    with pytest.raises(ValueError, match="no top-level assert"):
+        code_score("```python\npass\n```", ["x = 1"])

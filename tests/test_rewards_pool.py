@@ -150,3 +150,18 @@ def test_killing_a_hung_worker_also_kills_its_sandbox_children():
     assert metrics["reward_fn/timeouts"] == 1 and rewards[0] == 0.0 and elapsed < DEADLINE_S
     assert wait_until_gone(tag) == 0, f"{processes_tagged(tag)} sandbox processes survived their worker"
     assert all(proc.poll() is not None for proc in workers)  # close() stopped the workers
+
+
+def test_builtin_rewards_declare_ranges_and_failures_score_the_minimum():
+    from rljax.rewards import REWARDS
+    from rljax.rewards.base import reward_range
+
+    assert reward_range(REWARDS.get("code"), {}) == (0.0, 1.0)
+    assert reward_range(REWARDS.get("math"), {"incorrect": -1.0}) == (-1.0, 1.0)
+    assert reward_range(REWARDS.get("overlong"), {"max_length": 8, "buffer": 4}) == (-1.0, 0.0)
+    assert reward_range(REWARDS.get("length_penalty"), {"max_penalty": 0.5}) == (-0.5, 0.0)
+    # A failing penalty call must not score its best value (0): it scores the range minimum.
+    bad = {"prompt": "", "completion": "x", "example": {}}  # no token count: overlong raises
+    with RewardPool([("overlong", 1.0, {"max_length": 8, "buffer": 4})], num_workers=0) as p:
+        rewards, _, metrics = p.score([bad])
+    assert rewards[0] == -1.0 and metrics["reward_fn/errors"] == 1

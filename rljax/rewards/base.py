@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from rljax.registry import Registry
 
@@ -17,6 +19,51 @@ class RewardFn(Protocol):
 
 
 REWARDS: Registry[RewardFn] = Registry("reward function")
+Range = tuple[float, float]
+UNBOUNDED: Range = (-math.inf, math.inf)
+_F = TypeVar("_F")
+
+
+def declare_range(bounds: Range | Callable[[dict[str, Any]], Range]) -> Callable[[_F], _F]:
+    """Decorator declaring a reward's range: (lo, hi), or a function of the call's options (the reward's
+    keyword defaults filled in) returning (lo, hi). The pool clamps every value into it and counts those
+    outside; failures (exceptions, timeouts, NaN/inf) score `lo`. Undeclared rewards are UNBOUNDED."""
+
+    def decorator(fn: _F) -> _F:
+        fn.reward_range = bounds  # type: ignore[attr-defined]
+        return fn
+
+    return decorator
+
+
+def reward_range(fn: Any, options: dict[str, Any]) -> Range:
+    """The declared (lo, hi) of `fn` called with `options`; raises ValueError for an invalid range."""
+    bounds = getattr(fn, "reward_range", UNBOUNDED)  # the one default for undeclared (custom) rewards
+    if callable(bounds):
+        try:
+            bound = inspect.signature(fn).bind_partial(**options)
+        except TypeError as e:
+            raise ValueError(f"reward {fn!r}: options {sorted(options)} do not fit its signature: {e}") from e
+        bound.apply_defaults()
+        bounds = bounds(dict(bound.arguments))
+    lo, hi = float(bounds[0]), float(bounds[1])
+    if math.isnan(lo) or math.isnan(hi) or lo > hi:
+        raise ValueError(f"reward {fn!r}: invalid range ({lo}, {hi})")
+    return lo, hi
+
+
+def failure_score(bounds: Range) -> float:
+    """What a failed call (exception, timeout, NaN, non-number) scores: the range's minimum, or 0.0 for a
+    range unbounded below (clipped into the range)."""
+    lo, hi = bounds
+    return lo if math.isfinite(lo) else min(max(0.0, lo), hi)
+
+
+def clamp(value: float, bounds: Range) -> tuple[float, bool]:
+    """(value clipped into bounds, whether it was outside)."""
+    lo, hi = bounds
+    clipped = min(max(value, lo), hi)
+    return clipped, clipped != value
 
 
 def resolve(name: str) -> RewardFn:

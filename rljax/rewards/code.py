@@ -1,21 +1,27 @@
 """Code-execution reward: run the completion's Python block against the example's tests in the sandbox.
 
 `example["tests"]` is a list whose items are either assert-style test code (str; all run in one sandbox
-after the solution, each in its own try block, sharing the solution's globals) or stdin/stdout cases
-({"input": str, "output": str}; one sandbox run each, compared line by line with trailing whitespace
-stripped). A single str is one assert-style test.
+after the solution, sharing the solution's globals) or stdin/stdout cases ({"input": str, "output": str};
+one sandbox run each, compared line by line with trailing whitespace stripped). A single str is one
+assert-style test.
 
-Known weakness: the pass markers carry a per-run random nonce, but solution code can read its own harness
-file; a model that learns to read it could forge passes (filter such completions if that matters).
+Integrity (docs/security.md): pass/fail is never decided inside the sandbox. An assert test is split by
+`code_checks.plan_tests` into probes (the solution-dependent sub-expressions, e.g. `f(3)`), which the
+sandbox evaluates and returns as plain JSON values, and a check (e.g. `== 9`), evaluated here with a
+type-exact equality; the expected values never enter the sandbox. Each probe counts once (a probe reported
+twice counts nothing), so forged output, early exits, crashes and floods score at most the real results.
+Only top-level `assert` statements are checks; a test with an assert or raise elsewhere is rejected.
 """
 
 from __future__ import annotations
 
+import json
+import pathlib
 import re
-import secrets
 from typing import Any
 
-from rljax.rewards.base import REWARDS
+from rljax.rewards.base import REWARDS, declare_range
+from rljax.rewards.code_checks import passes, plan_tests, read_probes
 from rljax.rewards.sandbox import run_python, sandbox_info
 
 _BLOCK_RE = re.compile(r"```[ \t]*(python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -32,30 +38,20 @@ def extract_code(completion: str, *, allow_raw: bool = False) -> str | None:
     return completion if allow_raw else None
 
 
-def _assert_harness(solution: str, tests: list[str], nonce: str) -> str:
-    lines = [
-        "import sys as __rljax_sys",
-        "__rljax_ns = {'__name__': '__main__'}",
-        f"exec(compile({solution!r}, 'solution.py', 'exec'), __rljax_ns)",
-    ]
-    for i, test in enumerate(tests):
-        lines += [
-            "try:",
-            f"    exec(compile({test!r}, 'test_{i}.py', 'exec'), __rljax_ns)",
-            f"    print({nonce!r} + ':{i}', flush=True)",
-            "except BaseException as __rljax_e:",
-            "    print(type(__rljax_e).__name__, __rljax_e, file=__rljax_sys.stderr, flush=True)",
-        ]
-    return "\n".join(lines) + "\n"
+_HARNESS = pathlib.Path(__file__).with_name("_code_harness.py")
 
 
 def _count_assert_passes(solution: str, tests: list[str], sandbox: dict[str, Any]) -> int:
+    """Probes run in the sandbox; the checks (with the expected values) are evaluated here."""
     if not tests:
         return 0
-    nonce = secrets.token_hex(16)
-    result = run_python(_assert_harness(solution, tests, nonce), **sandbox)
-    passed = {line for line in result.stdout.splitlines() if line.startswith(nonce + ":")}
-    return len(passed)
+    plans = plan_tests(tests)
+    payload = {"solution": solution, "tests": [[list(step) for step in plan.steps] for plan in plans]}
+    program = f"import json\nPAYLOAD = json.loads({json.dumps(payload)!r})\n"
+    result = run_python(program + _HARNESS.read_text(), **sandbox)
+    num_probes = sum(step[0] == "probe" for plan in plans for step in plan.steps)
+    values = read_probes(result.stdout, num_probes)
+    return sum(passes(plan, values) for plan in plans)
 
 
 def _normalize_output(text: str) -> list[str]:
@@ -72,6 +68,7 @@ def _count_io_passes(solution: str, cases: list[dict[str, str]], sandbox: dict[s
 
 
 @REWARDS.register("code")
+@declare_range((0.0, 1.0))
 def code_reward(
     *,
     prompt: str,

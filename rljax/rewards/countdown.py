@@ -15,7 +15,7 @@ from collections import Counter
 from fractions import Fraction
 from typing import Any
 
-from rljax.rewards.base import REWARDS
+from rljax.rewards.base import REWARDS, declare_range
 from rljax.rewards.math_verify import find_boxed
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -71,6 +71,9 @@ def check_countdown(expression: str, numbers: list[int], target: int, *, use_all
 
 
 @REWARDS.register("countdown")
+@declare_range(
+    lambda o: (min(0.0, o["correct"], o["format_score"]), max(0.0, o["correct"], o["format_score"]))
+)
 def countdown_reward(
     *,
     prompt: str,

@@ -12,7 +12,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from rljax.rewards.base import REWARDS
+from rljax.rewards.base import REWARDS, declare_range
 
 _NUM = r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][+-]?\d+)?|[+-]?\.\d+(?:[eE][+-]?\d+)?"
 _NUM_RE = re.compile(rf"^(?:{_NUM})$")
@@ -127,6 +127,7 @@ def reference_answer(example: dict[str, Any], key: str = "answer") -> str:
 
 
 @REWARDS.register("math")
+@declare_range(lambda o: (min(o["correct"], o["incorrect"]), max(o["correct"], o["incorrect"])))
 def math_reward(
     *,
     prompt: str,
@@ -158,6 +159,7 @@ _FORMATS = {
 
 
 @REWARDS.register("format")
+@declare_range(lambda o: (min(o["reward"], o["penalty"]), max(o["reward"], o["penalty"])))
 def format_reward(
     *,
     prompt: str,

@@ -6,9 +6,10 @@ Lengths are counted in `unit`: "chars" (default), "words", or "tokens", which re
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from rljax.rewards.base import REWARDS
+from rljax.rewards.base import REWARDS, declare_range
 
 
 def completion_length(completion: str, example: dict[str, Any], unit: str, length_key: str) -> int:
@@ -24,7 +25,15 @@ def completion_length(completion: str, example: dict[str, Any], unit: str, lengt
     raise ValueError(f"unknown length unit {unit!r}; valid: chars, words, tokens")
 
 
+def _length_penalty_range(o: dict[str, Any]) -> tuple[float, float]:
+    floor = -math.inf if o["max_penalty"] is None else -o["max_penalty"]  # max(value, floor)
+    if o["coef"] >= 0:  # value = -coef * excess <= 0
+        return min(floor, max(0.0, floor)), max(0.0, floor)
+    return max(0.0, floor), math.inf
+
+
 @REWARDS.register("length_penalty")
+@declare_range(_length_penalty_range)
 def length_penalty(
     *,
     prompt: str,
@@ -47,6 +56,7 @@ def length_penalty(
 
 
 @REWARDS.register("overlong")
+@declare_range(lambda o: (min(0.0, -o["penalty"]), max(0.0, -o["penalty"])))
 def overlong_penalty(
     *,
     prompt: str,

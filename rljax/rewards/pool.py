@@ -4,8 +4,10 @@ Every (item, function) call runs in one of `num_workers` worker processes (fresh
 `python -m rljax.rewards._worker`, so nothing of the loop's state, threads or devices is inherited) under
 a per-call timeout. A call that hangs is scored 0 and its worker (and the worker's children, e.g. sandbox
 processes) is killed and replaced; a worker that dies (segfault, os._exit) scores its call 0 and is
-replaced; an exception, a NaN/inf or a non-number scores 0. The whole `score()` call ends by
-`total_timeout_s`; calls not done by then score 0 and count as timeouts.
+replaced; an exception, a NaN/inf or a non-number is an error. The whole `score()` call ends by
+`total_timeout_s`; calls not done by then count as timeouts. Every failure scores the minimum of the
+reward's declared range (`base.declare_range`; 0.0 when unbounded below), and every value is clamped
+into the range, counted as `reward_fn/out_of_range` when it was outside.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from rljax.rewards.base import call_reward, resolve
+from rljax.rewards.base import call_reward, clamp, failure_score, resolve, reward_range
 
 log = logging.getLogger(__name__)
 _START_TIMEOUT_S = 30.0  # a fresh worker imports numpy + the rewards; generous for a loaded 2-core machine
@@ -121,6 +123,7 @@ class RewardPool:
         init = ("init", list(sys.path), pickle.dumps([(fn, opts) for _, fn, _, opts in self._specs]))
         self._init_message = pickle.dumps(init)
         self._inline = [(resolve(fn) if isinstance(fn, str) else fn, o) for _, fn, _, o in self._specs]
+        self.ranges = [reward_range(fn, options) for fn, options in self._inline]
         self._workers = [_Worker(self._init_message) for _ in range(num_workers)]
 
     def __enter__(self) -> RewardPool:
@@ -167,17 +170,19 @@ class RewardPool:
         reward_fn/{timeouts,errors,worker_restarts,time_s} and reward_fn/<name>/{mean,timeouts,errors}.
         """
         start, restarts = time.monotonic(), self.restarts
-        values = np.zeros((len(self._specs), len(batch)), np.float32)
+        raw = np.full((len(self._specs), len(batch)), np.nan, np.float64)  # NaN: no valid value (yet)
         timeouts = np.zeros(len(self._specs), np.int64)
         errors = np.zeros(len(self._specs), np.int64)
         if self.num_workers == 0:
-            self._score_inline(batch, values, errors)
+            self._score_inline(batch, raw, errors)
         else:
-            self._score_in_workers(batch, values, timeouts, errors)
+            self._score_in_workers(batch, raw, timeouts, errors)
+        values, out_of_range = self._clamp(raw)
         per_fn = {name: values[k] for k, name in enumerate(self.names)}
         metrics = {
             "reward_fn/timeouts": float(timeouts.sum()),
             "reward_fn/errors": float(errors.sum()),
+            "reward_fn/out_of_range": float(out_of_range.sum()),
             "reward_fn/worker_restarts": float(self.restarts - restarts),
             "reward_fn/time_s": time.monotonic() - start,
         }
@@ -185,12 +190,28 @@ class RewardPool:
             metrics[f"reward_fn/{name}/mean"] = float(values[k].mean()) if len(batch) else 0.0
             metrics[f"reward_fn/{name}/timeouts"] = float(timeouts[k])
             metrics[f"reward_fn/{name}/errors"] = float(errors[k])
+            metrics[f"reward_fn/{name}/out_of_range"] = float(out_of_range[k])
         return (self.weights @ values).astype(np.float32), per_fn, metrics
+
+    def _clamp(self, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(values f32[K,B] clamped into each range, failures at its minimum; out-of-range counts i64[K])."""
+        values = np.empty(raw.shape, np.float32)
+        out_of_range = np.zeros(len(self._specs), np.int64)
+        for k, bounds in enumerate(self.ranges):
+            for i, value in enumerate(raw[k]):
+                if math.isnan(value):  # failed call (workers and check_value never pass NaN on as a value)
+                    values[k, i] = failure_score(bounds)
+                    continue
+                values[k, i], outside = clamp(float(value), bounds)
+                out_of_range[k] += outside
+        return values, out_of_range
 
     def _record_error(self, k: int, errors: np.ndarray, message: str) -> None:
         errors[k] += 1
         if self.names[k] not in self.last_errors:
-            log.warning("reward %s failed (scored 0): %s", self.names[k], message)
+            log.warning(
+                "reward %s failed (scored %s): %s", self.names[k], failure_score(self.ranges[k]), message
+            )
         self.last_errors[self.names[k]] = message
 
     def _score_inline(self, batch, values, errors) -> None:
@@ -276,7 +297,7 @@ class RewardPool:
                 k = w.task[2]
                 timeouts[k] += 1
                 if self.names[k] not in self.last_errors:
-                    log.warning("reward %s timed out after %.1fs (scored 0)", self.names[k], self.timeout_s)
+                    log.warning("reward %s timed out after %.1fs", self.names[k], self.timeout_s)
                 self.last_errors[self.names[k]] = f"timed out after {self.timeout_s}s"
                 self._replace(index)
             elif not w.ready and now - w.since > _START_TIMEOUT_S:
