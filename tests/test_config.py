@@ -176,20 +176,9 @@ def test_validate_rejects_a_kv_block_size_vllm_cpu_cannot_take(block_size):
 
 def qwen25_7b_dir(tmp_path):
     """A directory holding only Qwen2.5-7B's config.json (its shapes; no weights)."""
-    from rljax import models
+    from rljax.models.presets import PRESETS
 
-    shapes = models.ModelConfig(
-        family="qwen2",
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_layers=28,
-        num_heads=28,
-        num_kv_heads=4,
-        head_dim=128,
-        tie_word_embeddings=False,
-    )
-    (tmp_path / "config.json").write_text(json.dumps(shapes.to_hf_dict()))
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS.get("qwen2.5-7b").to_hf_dict()))
     return str(tmp_path)
 
 

@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rljax import models, sharding
 from rljax.models import hf as hf_io
+from rljax.models.presets import PRESETS
 from rljax.models.tiny import build_tiny_checkpoint
 from rljax.sharding import LogicalAxes, logical_to_spec, make_mesh
 
@@ -115,18 +116,7 @@ def test_logical_constraint_inside_jit():
     assert y.sharding.is_equivalent_to(want, 3)
 
 
-# Qwen2.5-7B's shapes (config.json of Qwen/Qwen2.5-7B-Instruct); no weights are built.
-QWEN25_7B = models.ModelConfig(
-    family="qwen2",
-    vocab_size=152064,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_layers=28,
-    num_heads=28,
-    num_kv_heads=4,
-    head_dim=128,
-    attention_bias=True,
-)
+QWEN25_7B = PRESETS.get("qwen2.5-7b")  # shapes only; no weights are built
 
 
 def test_check_divisibility_names_each_tensor_axis_and_valid_sizes():
