@@ -31,6 +31,7 @@ from rljax.loop.trajectory import Trajectory, build_loss_inputs
 from rljax.metrics import MetricsLogger, StatusWriter, device_memory_gb, host_memory_gb
 from rljax.rewards import RewardPool
 from rljax.sharding import make_mesh
+from rljax.trainer.state import resolve_model_config
 
 
 @dataclasses.dataclass
@@ -130,18 +131,12 @@ def make_length_shaping(cfg: Config) -> Callable:
 
 
 def load_policy(cfg: Config, mesh) -> tuple[Any, Any, Any]:
-    """(model_config with the configured dtype policy, params in their shardings, tokenizer)."""
+    """(model_config with the configured dtype policy, params in their shardings, tokenizer); the model
+    config is the trainer's (`resolve_model_config`: dtypes, remat, attention from `cfg.model`)."""
     model_config, params = models.load_hf_checkpoint(
         cfg.model.path, dtype=jnp.dtype(cfg.model.param_dtype), mesh=mesh
     )
-    model_config = dataclasses.replace(
-        model_config,
-        compute_dtype=cfg.model.compute_dtype,
-        remat=cfg.model.remat,
-        attention_impl=cfg.model.attention_impl,
-        attention_block_size=cfg.model.attention_block_size,
-    )
-    return model_config, params, models.load_tokenizer(cfg.model.path)
+    return resolve_model_config(cfg, model_config), params, models.load_tokenizer(cfg.model.path)
 
 
 def make_reward_pool(cfg: Config) -> RewardPool:

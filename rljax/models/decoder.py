@@ -9,8 +9,8 @@ hidden units), so under FSDP every device computes its own rows while the layer'
 one layer at a time, instead of XLA gathering the batch to keep the weights split.
 Dtype policy: params are cast to `config.compute_dtype` where used (so float32 master params with
 bfloat16 compute work); the residual stream is kept in the compute dtype, as in the Hugging Face and
-vLLM references; norms, RoPE and the
-softmax run in float32; logits and the returned hidden states are float32.
+vLLM references; norms, RoPE and the softmax run in float32; logits and the returned hidden states are
+float32.
 """
 
 from __future__ import annotations
