@@ -60,6 +60,9 @@ class ModelConfig:
     remat: str = "none"  # a name in rljax.models.REMAT_POLICIES, applied to the scanned layer body
     attention_impl: str = "auto"  # a name in rljax.models.ATTENTION_IMPLS, or "auto" (by backend)
     attention_block_size: int = 512  # query/key block of the blockwise attention
+    # The decoder class: "" (the built-in one of `family`), a name in rljax.models.DECODERS, or
+    # "package.module:Class" (bring your own model; docs/models.md).
+    decoder: str = ""
     hf_config_json: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
@@ -80,6 +83,7 @@ class ModelConfig:
         param_dtype: str | None = None,
         compute_dtype: str | None = None,
         remat: str = "none",
+        decoder: str = "",
     ) -> ModelConfig:
         """Parses a Hugging Face `config.json` dict. `param_dtype` defaults to the checkpoint's dtype
         (float32 when absent), `compute_dtype` to `param_dtype`. Unknown architectures and unsupported
@@ -106,6 +110,7 @@ class ModelConfig:
             param_dtype=param_dtype,
             compute_dtype=compute_dtype or param_dtype,
             remat=remat,
+            decoder=decoder,
             hf_config_json=json.dumps(d, sort_keys=True),
             **FAMILIES.get(family).options(d),
         )

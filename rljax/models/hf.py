@@ -19,15 +19,8 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import safe_open
 
 from rljax.models.config import ModelConfig
-from rljax.models.params import (
-    ParamEntry,
-    get_path,
-    global_shape,
-    nest_paths,
-    param_entries,
-    param_logical_axes,
-    param_table,
-)
+from rljax.models.model import param_entries, param_logical_axes
+from rljax.models.params import ParamEntry, get_path, nest_paths
 from rljax.sharding import logical_to_sharding
 
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -48,14 +41,17 @@ _DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
 def _hf_names(config: ModelConfig) -> Iterator[tuple[str, ParamEntry, int | None]]:
     """(hf_name, entry, layer) for every HF tensor, in Hugging Face state-dict order."""
-    lead, per_layer, tail = param_table(config)
-    for e in lead:
+    entries = param_entries(config)
+    first = next((i for i, e in enumerate(entries) if e.per_layer), len(entries))
+    for e in entries[:first]:
         yield e.hf_name, e, None
     for layer in range(config.num_layers):
-        for e in per_layer:
-            yield e.hf_name.format(layer), e, layer
-    for e in tail:
-        yield e.hf_name, e, None
+        for e in entries:
+            if e.per_layer:
+                yield e.hf_name.format(layer), e, layer
+    for e in entries[first:]:
+        if not e.per_layer:
+            yield e.hf_name, e, None
 
 
 def hf_tensor_specs(config: ModelConfig, dtype: Any = None) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -76,11 +72,11 @@ def iter_hf_tensors(config: ModelConfig, params: dict, dtype: Any = None) -> Ite
     np_dtype = jnp.dtype(dtype or config.param_dtype)
     for hf, e, layer in _hf_names(config):
         x = get_path(params, e.path)
-        if layer is not None:
-            # on the host: a view of the stacked tensor, sliced in numpy (no per-layer device op);
-            # on an accelerator: only this layer's slice crosses to the host
-            x = np.asarray(x)[layer] if _in_host_memory(x) else np.asarray(x[layer])
-        yield hf, e.to_hf(np.asarray(x)).astype(np_dtype, copy=False)
+        # on the host: a view of the stacked tensor, sliced in numpy (no per-layer device op);
+        # on an accelerator: only this layer's slice (this tensor's part of it) crosses to the host
+        x = np.asarray(x) if _in_host_memory(x) else x
+        part = e.take_part(x if layer is None else x[layer])
+        yield hf, e.part_to_hf(np.asarray(part)).astype(np_dtype, copy=False)
 
 
 def _in_host_memory(x: Any) -> bool:
@@ -158,26 +154,40 @@ def _outer_dims(groups: tuple[int, ...]) -> set[int]:
     return {sum(groups[:i]) for i in range(len(groups))}
 
 
-def _build_param(config, source, e: ParamEntry, sharding, dtype) -> jax.Array:
-    shape = global_shape(config, e)
+def _read_param_block(source, entries: list[ParamEntry], layer, index: tuple[slice, ...]) -> np.ndarray:
+    """Block `index` of one (per-layer) param from its HF tensor, or from the parts that tile one axis."""
+    name = lambda e: e.hf_name if layer is None else e.hf_name.format(layer)  # noqa: E731
+    if entries[0].part is None:
+        return _read_block(source, entries[0], name(entries[0]), index)
+    axis, pieces = entries[0].part[0], []
+    want = index[axis]
+    for e in sorted(entries, key=lambda e: e.part[1]):
+        lo, hi = max(want.start, e.part[1]), min(want.stop, e.part[2])
+        if lo < hi:
+            local = (*index[:axis], slice(lo - e.part[1], hi - e.part[1]), *index[axis + 1 :])
+            pieces.append(_read_block(source, e, name(e), local))
+    return np.concatenate(pieces, axis=axis)
+
+
+def _build_param(source, entries: list[ParamEntry], shape, sharding, dtype) -> jax.Array:
     cache: dict[tuple, np.ndarray] = {}  # replicated shards ask for the same block: read it once
 
     def block(index: tuple[slice, ...]) -> np.ndarray:
         index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
         key = tuple((s.start, s.stop) for s in index)
         if key not in cache:
-            if e.per_layer:
-                rows = [_read_block(source, e, e.hf_name.format(i), index[1:]) for i in range(*key[0])]
+            if entries[0].per_layer:
+                rows = [_read_param_block(source, entries, i, index[1:]) for i in range(*key[0])]
                 cache[key] = np.stack(rows).astype(dtype, copy=False)
             else:
-                cache[key] = _read_block(source, e, e.hf_name, index).astype(dtype, copy=False)
+                cache[key] = _read_param_block(source, entries, None, index).astype(dtype, copy=False)
         return cache[key]
 
     return jax.make_array_from_callback(shape, sharding, block)
 
 
 def load_hf_checkpoint(
-    path: str | Path, *, dtype: Any = None, mesh: Mesh | None = None
+    path: str | Path, *, dtype: Any = None, mesh: Mesh | None = None, decoder: str = ""
 ) -> tuple[ModelConfig, dict]:
     """Loads a local Hugging Face checkpoint dir (config.json + model.safetensors, or sharded with
     model.safetensors.index.json) -> (ModelConfig, params of jax.Arrays).
@@ -187,20 +197,26 @@ def load_hf_checkpoint(
     shard by shard into its `NamedSharding` (from `param_logical_axes`): each device's block is read
     from the memory-mapped file, never a full copy per device. Without, params land on this process's
     first local device (in a multi-process job `jax.devices()[0]` may belong to another process).
+    decoder: the decoder class (`ModelConfig.decoder`: a family or `package.module:Class`) whose
+    params layout and HF table the tensors are loaded into; default the built-in one of the family.
     """
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
     name = None if dtype is None else jnp.dtype(dtype).name
-    config = ModelConfig.from_hf_dict(hf, param_dtype=name, compute_dtype=name)
+    config = ModelConfig.from_hf_dict(hf, param_dtype=name, compute_dtype=name, decoder=decoder)
     source = _TensorSource(path)
     _check_tensors(config, source, path)
     if mesh is not None:
         shardings = logical_to_sharding(param_logical_axes(config), mesh)
     np_dtype = jnp.dtype(config.param_dtype)
-    pairs = []
+    by_path: dict[tuple, list[ParamEntry]] = {}
     for e in param_entries(config):
-        s = get_path(shardings, e.path) if mesh is not None else SingleDeviceSharding(jax.local_devices()[0])
-        pairs.append((e.path, _build_param(config, source, e, s, np_dtype)))
+        by_path.setdefault(e.path, []).append(e)
+    pairs = []
+    for path, entries in by_path.items():
+        s = get_path(shardings, path) if mesh is not None else SingleDeviceSharding(jax.local_devices()[0])
+        shape = (config.num_layers, *entries[0].shape) if entries[0].per_layer else entries[0].shape
+        pairs.append((path, _build_param(source, entries, shape, s, np_dtype)))
     return config, nest_paths(pairs)
 
 

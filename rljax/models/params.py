@@ -1,9 +1,12 @@
-"""The parameter table: every decoder weight, its shape, logical axes and Hugging Face name and layout.
+"""The Hugging Face mapping table: every HF tensor, the parameter it comes from, and its layout.
 
-One table serves param shapes, logical axes, random init, checkpoint load/save and weight sync, so the
-two directions of the HF mapping cannot drift apart.
+A decoder class (see `rljax.models.model`) declares its table as `hf_table(config) -> list[HFTensor]`;
+this one table drives checkpoint load, checkpoint save and weight sync, so the directions cannot drift
+apart. Shapes and logical axes are not restated here: they come from the module's own parameters
+(`abstract_params`), and `bind_table` joins the two into `ParamEntry`s.
 
-Params are a nested dict; per-layer weights are stacked with a leading layer axis `L` (scanned):
+Params are the module's pure state: a nested dict whose per-layer weights are stacked with a leading
+layer axis `L` (scanned). The built-in decoder's layout (`rljax.models.decoder`):
 
     embed/embedding          [V, d]          model.embed_tokens.weight
     layers/attn_norm/scale   [L, d]          model.layers.{i}.input_layernorm.weight
@@ -25,36 +28,63 @@ import dataclasses
 import math
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-
-from rljax.models.config import ModelConfig
-from rljax.sharding import LogicalAxes
 
 
 @dataclasses.dataclass(frozen=True)
-class ParamEntry:
-    """One weight. `shape`/`axes` exclude the layer axis for per-layer weights (`hf_name` has `{}`).
+class HFTensor:
+    """One row of a decoder's mapping table: the HF tensor `hf_name` is (a part of) the param at `path`.
 
-    HF layout = `param.transpose(perm)` with consecutive dims merged in groups of sizes `groups`.
+    hf_name: with `{}` for per-layer tensors (the param then has a leading layer axis `L`, not counted
+      in `perm`, `groups` or `part`).
+    part: `(axis, start, stop)`: this tensor is `param[..., start:stop, ...]` along `axis` of the
+      per-layer param (a fused param maps to several HF tensors: q/k/v, gate/up); None: the whole param.
+    perm, groups: HF layout = `part.transpose(perm)` with consecutive dims merged in groups of these
+      sizes. Defaults: identity, no merging.
     """
 
     path: tuple[str, ...]
-    shape: tuple[int, ...]
-    axes: tuple[str, ...]
     hf_name: str
-    perm: tuple[int, ...]
-    groups: tuple[int, ...]
-    init: str  # "normal", "ones" or "zeros"
+    perm: tuple[int, ...] | None = None
+    groups: tuple[int, ...] | None = None
+    part: tuple[int, int, int] | None = None
 
     @property
     def per_layer(self) -> bool:
         return "{}" in self.hf_name
 
+
+@dataclasses.dataclass(frozen=True)
+class ParamEntry:
+    """An `HFTensor` bound to its param's per-layer `shape` (without `L`)."""
+
+    row: HFTensor
+    shape: tuple[int, ...]
+
+    path = property(lambda self: self.row.path)
+    hf_name = property(lambda self: self.row.hf_name)
+    per_layer = property(lambda self: self.row.per_layer)
+    part = property(lambda self: self.row.part)
+
+    @property
+    def perm(self) -> tuple[int, ...]:
+        return self.row.perm or tuple(range(len(self.shape)))
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        return self.row.groups or (1,) * len(self.shape)
+
+    @property
+    def part_shape(self) -> tuple[int, ...]:
+        """Shape of the slice of the param that this tensor holds."""
+        if self.part is None:
+            return self.shape
+        axis, start, stop = self.part
+        return (*self.shape[:axis], stop - start, *self.shape[axis + 1 :])
+
     @property
     def transposed_shape(self) -> tuple[int, ...]:
-        return tuple(self.shape[p] for p in self.perm)
+        return tuple(self.part_shape[p] for p in self.perm)
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -64,86 +94,69 @@ class ParamEntry:
             pos += g
         return tuple(out)
 
+    def take_part(self, x: np.ndarray) -> np.ndarray:
+        """This tensor's slice of one (per-layer) param array `[*shape]`."""
+        if self.part is None:
+            return x
+        axis, start, stop = self.part
+        return x[(slice(None),) * axis + (slice(start, stop),)]
+
     def to_hf(self, x: np.ndarray) -> np.ndarray:
         """One (per-layer) param array `[*shape]` -> its HF tensor `[*hf_shape]`."""
-        return np.ascontiguousarray(np.transpose(x, self.perm)).reshape(self.hf_shape)
+        return self.part_to_hf(self.take_part(x))
+
+    def part_to_hf(self, part: np.ndarray) -> np.ndarray:
+        """This tensor's slice `[*part_shape]` of the param -> the HF tensor `[*hf_shape]`."""
+        return np.ascontiguousarray(np.transpose(part, self.perm)).reshape(self.hf_shape)
 
     def from_hf(self, x: np.ndarray) -> np.ndarray:
-        """HF tensor `[*hf_shape]` -> the (per-layer) param array `[*shape]`."""
+        """HF tensor `[*hf_shape]` -> the (per-layer) param slice `[*part_shape]`."""
         return np.transpose(np.reshape(x, self.transposed_shape), np.argsort(self.perm))
 
 
-def _layer_entries(c: ModelConfig) -> list[ParamEntry]:
-    d, h, k, hd, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-    pre = "model.layers.{}."
+def bind_table(rows: list[HFTensor], abstract: dict, num_layers: int) -> list[ParamEntry]:
+    """Joins a mapping table with the module's abstract params; raises (naming the param) when a param
+    is not covered exactly once (whole, or by parts that tile one axis)."""
+    entries = []
+    for row in rows:
+        shape = tuple(get_path(abstract, row.path).shape)
+        if row.per_layer:
+            if shape[:1] != (num_layers,):
+                raise ValueError(f"{'/'.join(row.path)}: per-layer tensor {row.hf_name!r}, no layer axis")
+            shape = shape[1:]
+        entries.append(ParamEntry(row, shape))
+    _check_coverage(entries, abstract)
+    return entries
 
-    def e(path, shape, axes, hf, perm, groups, init="normal"):
-        return ParamEntry(("layers", *path), shape, axes, pre + hf, perm, groups, init)
 
-    out = [e(("attn_norm", "scale"), (d,), ("norm",), "input_layernorm.weight", (0,), (1,), "ones")]
-    for name, n, ax in (("q_proj", h, "heads"), ("k_proj", k, "kv"), ("v_proj", k, "kv")):
-        hf = f"self_attn.{name}."
-        out.append(
-            e((name, "kernel"), (d, n, hd), ("embed", ax, "head_dim"), hf + "weight", (1, 2, 0), (2, 1))
-        )
-        if c.attention_bias:
-            out.append(e((name, "bias"), (n, hd), (ax, "head_dim"), hf + "bias", (0, 1), (2,), "zeros"))
-    out.append(
-        e(
-            ("o_proj", "kernel"),
-            (h, hd, d),
-            ("heads", "head_dim", "embed"),
-            "self_attn.o_proj.weight",
-            (2, 0, 1),
-            (1, 2),
-        )
-    )
-    if c.attention_out_bias:
-        out.append(e(("o_proj", "bias"), (d,), ("embed",), "self_attn.o_proj.bias", (0,), (1,), "zeros"))
-    if c.qk_norm:
-        for name in ("q_norm", "k_norm"):
-            out.append(e((name, "scale"), (hd,), ("norm",), f"self_attn.{name}.weight", (0,), (1,), "ones"))
-    for name in ("gate_proj", "up_proj"):
-        out.append(e((name, "kernel"), (d, f), ("embed", "mlp"), f"mlp.{name}.weight", (1, 0), (1, 1)))
-    out.append(e(("down_proj", "kernel"), (f, d), ("mlp", "embed"), "mlp.down_proj.weight", (1, 0), (1, 1)))
-    out.append(
-        e(("mlp_norm", "scale"), (d,), ("norm",), "post_attention_layernorm.weight", (0,), (1,), "ones")
-    )
+def _check_coverage(entries: list[ParamEntry], abstract: dict) -> None:
+    by_path: dict[tuple, list[ParamEntry]] = {}
+    for e in entries:
+        by_path.setdefault(e.path, []).append(e)
+    paths = {p for p, _ in flatten_paths(abstract)}
+    if paths - set(by_path):
+        raise ValueError(f"params not in the HF table: {sorted('/'.join(p) for p in paths - set(by_path))}")
+    for path, group in by_path.items():
+        name = "/".join(path)
+        if len(group) == 1 and group[0].part is None:
+            continue
+        if any(e.part is None for e in group) or len({e.part[0] for e in group}) != 1:
+            raise ValueError(f"{name}: HF tensors must be the whole param or parts along one axis")
+        axis = group[0].part[0]
+        spans = sorted(e.part[1:] for e in group)
+        if [s[0] for s in spans] != [0] + [s[1] for s in spans[:-1]] or spans[-1][1] != group[0].shape[axis]:
+            raise ValueError(f"{name}: parts {spans} do not tile axis {axis} of size {group[0].shape[axis]}")
+
+
+def flatten_paths(tree: dict, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """`[(path, leaf)]` of a nested dict, in insertion order."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += flatten_paths(value, (*prefix, key))
+        else:
+            out.append(((*prefix, key), value))
     return out
-
-
-def param_table(config: ModelConfig) -> tuple[list[ParamEntry], list[ParamEntry], list[ParamEntry]]:
-    """(leading, per-layer, trailing) entries in Hugging Face state-dict order."""
-    v, d = config.vocab_size, config.hidden_size
-    lead = [
-        ParamEntry(
-            ("embed", "embedding"),
-            (v, d),
-            ("vocab", "embed"),
-            "model.embed_tokens.weight",
-            (0, 1),
-            (1, 1),
-            "normal",
-        )
-    ]
-    tail = [ParamEntry(("final_norm", "scale"), (d,), ("norm",), "model.norm.weight", (0,), (1,), "ones")]
-    if not config.tie_word_embeddings:
-        tail.append(
-            ParamEntry(
-                ("lm_head", "kernel"), (v, d), ("vocab", "embed"), "lm_head.weight", (0, 1), (1, 1), "normal"
-            )
-        )
-    return lead, _layer_entries(config), tail
-
-
-def param_entries(config: ModelConfig) -> list[ParamEntry]:
-    lead, layer, tail = param_table(config)
-    return lead + layer + tail
-
-
-def global_shape(config: ModelConfig, entry: ParamEntry) -> tuple[int, ...]:
-    """Shape of the param array (with the layer axis `L` for per-layer weights)."""
-    return (config.num_layers, *entry.shape) if entry.per_layer else entry.shape
 
 
 def nest_paths(pairs: list[tuple[tuple[str, ...], Any]]) -> dict:
@@ -160,44 +173,3 @@ def get_path(params: dict, path: tuple[str, ...]) -> Any:
     for key in path:
         params = params[key]
     return params
-
-
-def param_logical_axes(config: ModelConfig) -> dict:
-    """Tree like the params whose leaves are `LogicalAxes` (tuples of names, e.g. `("layers", "embed",
-    "heads", "head_dim")`, that also carry the shape for divisibility checks)."""
-    pairs = []
-    for e in param_entries(config):
-        axes = ("layers", *e.axes) if e.per_layer else e.axes
-        pairs.append((e.path, LogicalAxes(axes, global_shape(config, e))))
-    return nest_paths(pairs)
-
-
-def abstract_params(config: ModelConfig) -> dict:
-    """`jax.ShapeDtypeStruct` tree of the params (in `config.param_dtype`)."""
-    dtype = jnp.dtype(config.param_dtype)
-    return nest_paths(
-        [(e.path, jax.ShapeDtypeStruct(global_shape(config, e), dtype)) for e in param_entries(config)]
-    )
-
-
-def init_params(config: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
-    """Random params: weights ~ N(0, std^2), norm scales 1, biases 0 (for tests and from-scratch runs)."""
-    entries = param_entries(config)
-    keys = jax.random.split(key, len(entries))
-    dtype = jnp.dtype(config.param_dtype)
-    pairs = []
-    for e, k in zip(entries, keys, strict=True):
-        shape = global_shape(config, e)
-        if e.init == "normal":
-            x = std * jax.random.normal(k, shape, jnp.float32)
-        else:
-            x = jnp.full(shape, 1.0 if e.init == "ones" else 0.0, jnp.float32)
-        pairs.append((e.path, x.astype(dtype)))
-    return nest_paths(pairs)
-
-
-def unembed_matrix(config: ModelConfig, params: dict) -> jax.Array:
-    """The output projection `[V, d]`: the embedding table when tied, else `lm_head` (HF layout)."""
-    if config.tie_word_embeddings:
-        return params["embed"]["embedding"]
-    return params["lm_head"]["kernel"]
