@@ -75,6 +75,10 @@ class ModelConfig:
     # TPU: Pallas splash attention, CPU: blockwise online-softmax attention in plain JAX).
     attention_impl: str = "auto"
     attention_block_size: int = 512  # query/key block of the blockwise attention (tokens)
+    # The decoder class: "auto" (the built-in NNX decoder of the checkpoint's architecture), a name in
+    # rljax.models.DECODERS (qwen2, qwen3, llama), or "package.module:Class" (bring your own model,
+    # docs/models.md; its HF table maps its params onto the checkpoint's tensor names).
+    family: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -377,6 +381,13 @@ def _check_names(cfg: Config) -> None:
             "model.attention_impl",
             f"unknown name {cfg.model.attention_impl!r}; valid: auto, {', '.join(ATTENTION_IMPLS.names())}",
         )
+    if cfg.model.family != "auto":
+        from rljax.models.model import resolve_decoder
+
+        try:
+            resolve_decoder(cfg.model.family)
+        except (KeyError, ValueError) as e:
+            raise ConfigError("model.family", str(e).strip('"')) from None
     for key, registry, name in [
         ("model.remat", REMAT_POLICIES, cfg.model.remat),
         ("algo.advantage", algos.ADVANTAGES, cfg.algo.advantage),
@@ -542,19 +553,21 @@ def validate_runtime(cfg: Config, num_devices: int) -> dict[str, int]:
             f"the micro-batch of {micro} sequences is not divisible by data*fsdp = {data_parallel}",
         )
     if not cfg.mesh.allow_replication:
-        check_mesh_divides_model(read_model_config(path), sizes)
+        decoder = "" if cfg.model.family == "auto" else cfg.model.family
+        check_mesh_divides_model(read_model_config(path, decoder), sizes)
     return sizes
 
 
 # rljax.models (and so JAX) is imported inside the two functions below, not at the top: rljax.config is
 # read by the CLI before it sets the platform and device-count flags that JAX reads (rljax.runtime).
-def read_model_config(path: str) -> Any:
-    """The `rljax.models.ModelConfig` (shapes only, no weights) of the checkpoint's `config.json`."""
+def read_model_config(path: str, decoder: str = "") -> Any:
+    """The `rljax.models.ModelConfig` (shapes only, no weights) of the checkpoint's `config.json`
+    (`decoder`: the decoder class, see `ModelConfig.decoder`)."""
     from rljax import models
 
     try:
         with open(os.path.join(path, "config.json")) as f:
-            return models.ModelConfig.from_hf_dict(json.load(f))
+            return models.ModelConfig.from_hf_dict(json.load(f), decoder=decoder)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError("model.path", f"{path}/config.json: {type(e).__name__}: {e}") from e
 

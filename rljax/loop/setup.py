@@ -31,7 +31,7 @@ from rljax.loop.trajectory import Trajectory, build_loss_inputs
 from rljax.metrics import MetricsLogger, StatusWriter, device_memory_gb, host_memory_gb
 from rljax.rewards import RewardPool
 from rljax.sharding import make_mesh
-from rljax.trainer.state import resolve_model_config
+from rljax.trainer.state import model_decoder, resolve_model_config
 
 
 @dataclasses.dataclass
@@ -134,7 +134,7 @@ def load_policy(cfg: Config, mesh) -> tuple[Any, Any, Any]:
     """(model_config with the configured dtype policy, params in their shardings, tokenizer); the model
     config is the trainer's (`resolve_model_config`: dtypes, remat, attention from `cfg.model`)."""
     model_config, params = models.load_hf_checkpoint(
-        cfg.model.path, dtype=jnp.dtype(cfg.model.param_dtype), mesh=mesh
+        cfg.model.path, dtype=jnp.dtype(cfg.model.param_dtype), mesh=mesh, decoder=model_decoder(cfg)
     )
     return resolve_model_config(cfg, model_config), params, models.load_tokenizer(cfg.model.path)
 

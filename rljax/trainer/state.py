@@ -89,8 +89,8 @@ def dtype_of(name: str) -> jnp.dtype:
 
 
 def resolve_model_config(cfg: Config, model_config: models.ModelConfig) -> models.ModelConfig:
-    """The model config the trainer runs: master param dtype, compute dtype and remat from `cfg.model`
-    (the decoder casts params to the compute dtype where used; hidden states come back float32)."""
+    """The model config the trainer runs: decoder class, master param dtype, compute dtype and remat from
+    `cfg.model` (the decoder casts params to the compute dtype where used; hidden states are float32)."""
     return dataclasses.replace(
         model_config,
         param_dtype=cfg.model.param_dtype,
@@ -98,7 +98,13 @@ def resolve_model_config(cfg: Config, model_config: models.ModelConfig) -> model
         remat=cfg.model.remat,
         attention_impl=cfg.model.attention_impl,
         attention_block_size=cfg.model.attention_block_size,
+        decoder=model_decoder(cfg),
     )
+
+
+def model_decoder(cfg: Config) -> str:
+    """`ModelConfig.decoder` for `cfg.model.family` ("auto": "", the checkpoint family's built-in one)."""
+    return "" if cfg.model.family == "auto" else cfg.model.family
 
 
 def param_shardings(model_config: models.ModelConfig, mesh: Mesh) -> Any:
