@@ -3,12 +3,14 @@
 Command (CPU or GPU; ~1-2 minutes on 2 CPU cores with the default small model):
     .venv/bin/python benchmarks/bench_train_step.py [--model small|qwen2.5-0.5b] [--rows 32] [--length 64]
         [--iters 5] [--impl auto] [--compute-dtype float32|bfloat16] [--remat full] [--attention-impl auto]
-        [--json out.json]
+        [--num-layers N] [--json out.json]
 Models: random Qwen2-family decoders built with rljax.models.init_params: `small` (vocab 8192, hidden 256,
 4 layers, MLP 2048, untied head: ~11M params) or `qwen2.5-0.5b` (Qwen2.5-0.5B's shape: vocab 151936, hidden
 896, 24 layers, 14 heads / 2 KV heads, MLP 4864, tied embeddings: 494M params). Prints tokens/s of one
 optimizer step (fwd+bwd+AdamW), its MFU, and the time of the head's fwd+bwd through
-rljax.kernels.token_logprobs alone, as a ratio of the step measured in the same run.
+rljax.kernels.token_logprobs alone, as a ratio of the step measured in the same run, and the step's compile
+time (`compile_s`: lower + compile; the layers are one scanned body, so it should not grow with
+--num-layers). The decoder is the NNX module of rljax.models, run through its pure params.
 
 MFU = model FLOP/s / the device's peak dense bf16 FLOP/s (`PEAK_BF16_FLOPS` by device kind, or
 --peak-flops). Model FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B): 6 * N + 12 * L * H * T, with N
@@ -108,6 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--attention-impl", default="auto", help="a name in rljax.models.ATTENTION_IMPLS, or auto"
     )
+    ap.add_argument("--num-layers", type=int, default=None, help="override the model's layer count")
     ap.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU (default: by device)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     return ap.parse_args(argv)
@@ -115,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build(args: argparse.Namespace):
     """(model config, host params, train step, state, sharded batch) for the chosen model and options."""
-    mc = models.ModelConfig(family="qwen2", attention_bias=True, **MODELS[args.model])
+    shape = dict(MODELS[args.model], **({"num_layers": args.num_layers} if args.num_layers else {}))
+    mc = models.ModelConfig(family="qwen2", attention_bias=True, **shape)
     params = jax.device_get(models.init_params(mc, jax.random.key(0)))
     model = dataclasses.replace(
         Config().model, compute_dtype=args.compute_dtype, remat=args.remat, attention_impl=args.attention_impl
@@ -147,6 +151,9 @@ def time_head(args, mc, params, batch) -> float:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     mc, params, step, state, batch = build(args)
+    t0 = time.perf_counter()
+    step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
     holder = {"state": state}
 
     def run_step():
@@ -164,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
         "devices": jax.device_count(),
         "model": args.model,
         "params": sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params)),
+        "num_layers": mc.num_layers,
+        "compile_s": compile_s,
         "rows": args.rows,
         "length": args.length,
         "compute_dtype": args.compute_dtype,
@@ -181,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"backend={out['backend']} ({out['device_kind']}) devices={out['devices']} impl={out['impl']} "
           f"attention={out['attention_impl']} dtype={args.compute_dtype} remat={args.remat}")  # fmt: skip
     print(
-        f"model {args.model} params={out['params'] / 1e6:.1f}M  batch={args.rows}x{args.length} ({n} tokens)"
+        f"model {args.model} layers={mc.num_layers} params={out['params'] / 1e6:.1f}M  "
+        f"batch={args.rows}x{args.length} ({n} tokens)  compile {compile_s:.2f} s"
     )
     print(f"update step: {step_s * 1e3:.1f} ms  -> {n / step_s:,.0f} tokens/s, "
           f"{model_flops / 1e12:.1f} model TFLOP/s, MFU {mfu}")  # fmt: skip
