@@ -27,7 +27,10 @@ from rljax.models.params import HFTensor
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder block (attention + SwiGLU MLP); params stacked over `stack = (L,)`."""
+    """One pre-norm decoder block (attention + SwiGLU MLP); params stacked over `stack = (L,)`.
+
+    References: Shazeer 2020, "GLU Variants Improve Transformer" (arXiv:2002.05202).
+    """
 
     def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs, std: float, stack: tuple[int, ...] = ()):
         d, h, k, hd, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size

@@ -1,4 +1,4 @@
-"""Decoder building blocks as pure jnp functions: RMSNorm, RoPE, masked GQA attention, SwiGLU.
+"""Decoder math as pure jnp functions: RMSNorm, RoPE, masked GQA attention, positions of packed rows.
 
 Numerics follow the Hugging Face reference: RMSNorm statistics, RoPE angles and the attention softmax
 in float32; matmuls in the compute dtype with float32 accumulation where the result is re-normalised.
@@ -75,20 +75,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(q.dtype))
     return out.reshape(b, t, h, hd)
-
-
-def swiglu_mlp(
-    x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, constrain_hidden=lambda h: h
-) -> jax.Array:
-    """`down(silu(x @ gate) * (x @ up))`: x [B,T,d], gate/up [d,F], down [F,d] -> [B,T,d].
-    `constrain_hidden` places the `[B,T,F]` hidden units (a sharding constraint inside a sharded jit).
-
-    References: Shazeer 2020, "GLU Variants Improve Transformer" (arXiv:2002.05202).
-    """
-    dtype = x.dtype
-    g = constrain_hidden(x @ gate.astype(dtype))
-    u = constrain_hidden(x @ up.astype(dtype))
-    return constrain_hidden(jax.nn.silu(g) * u) @ down.astype(dtype)
 
 
 def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
