@@ -129,6 +129,8 @@ def test_fused_model_trains_through_main_with_vllm(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if m["step"] > 0]
     assert len(train) == 3
+    keys = ("weight_sync/canary_logprob_max_abs_diff", "logprob/trainer_vs_rollout_abs_diff_max")
+    print("fused decoder through main:", [{k: m[k] for k in keys} for m in train])
     for m in train:
         assert m["weight_sync/canary_logprob_max_abs_diff"] <= 1e-4, m
         assert m["logprob/trainer_vs_rollout_abs_diff_max"] < 1e-4, m
