@@ -48,7 +48,12 @@ def test_build_model_state_is_the_params_layout():
 def test_logical_axes_come_from_param_metadata():
     model = models.build_model(TINY, rngs=nnx.Rngs(0))
     axes = models.param_logical_axes(TINY)
-    assert model.layers.q_proj.kernel.get_metadata()["out_sharding"] == ("layers", "embed", "heads", "head_dim")
+    assert model.layers.q_proj.kernel.get_metadata()["out_sharding"] == (
+        "layers",
+        "embed",
+        "heads",
+        "head_dim",
+    )
     assert axes["layers"]["q_proj"]["kernel"] == ("layers", "embed", "heads", "head_dim")
     assert axes["layers"]["q_proj"]["kernel"].shape == (2, 32, 2, 16)
     assert axes["embed"]["embedding"] == ("vocab", "embed") and axes["final_norm"]["scale"] == ("norm",)
