@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterable, Iterator
 
 import jax
@@ -32,6 +33,7 @@ class StepProfiler:
 
     def __init__(self, logdir: str, steps: Iterable[int]):
         self.logdir, self.steps, self.active = logdir, frozenset(int(s) for s in steps), False
+        self._stopped_at = -float("inf")
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -39,6 +41,9 @@ class StepProfiler:
             yield
             return
         if not self.active:
+            # A trace is exported to plugins/profile/<time in whole seconds>/<host>.*: two traces that
+            # end within the same second would overwrite each other, so they end >= 1 s apart.
+            time.sleep(max(0.0, self._stopped_at + 1.0 - time.monotonic()))
             jax.profiler.start_trace(self.logdir, create_perfetto_trace=True)
             self.active = True
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
@@ -51,3 +56,4 @@ class StepProfiler:
         if self.active:
             self.active = False
             jax.profiler.stop_trace()
+            self._stopped_at = time.monotonic()
