@@ -502,6 +502,11 @@ def _validate_prompts_and_profile(cfg: Config) -> None:
             "data.system_prompt",
             "is a chat message: it needs data.chat_template=true (or put it in data.template)",
         )
+    if cfg.data.chat_template and cfg.rollout.env:
+        raise ConfigError(
+            "data.chat_template",
+            f"applies to single-turn prompts; rollout.env={cfg.rollout.env!r} builds its own conversation",
+        )
     steps = cfg.metrics.profile_steps
     bad = [
         s for s in steps if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= cfg.trainer.steps

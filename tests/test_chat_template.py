@@ -150,6 +150,10 @@ def test_jsonl_source_yields_conversations_and_split_keeps_them_apart(tmp_path):
 def test_config_checks(tmp_path, chat_dir):
     with pytest.raises(C.ConfigError, match="data.system_prompt"):
         C.validate(C.from_config_dict({"data": {"system_prompt": "Be brief."}}))
+    with pytest.raises(C.ConfigError, match="data.chat_template: applies to single-turn"):
+        C.validate(
+            C.from_config_dict({"data": {"chat_template": True}, "rollout": {"env": "calculator_math"}})
+        )
     ok = C.from_config_dict(
         {"model": {"path": str(chat_dir)}, "data": {"chat_template": True}, "mesh": {"fsdp": 1}}
     )
