@@ -144,7 +144,12 @@ class DataConfig:
     path: str = ""  # for file sources
     prompt_field: str = "prompt"
     answer_field: str = "answer"
-    template: str = "{prompt}"
+    template: str = "{prompt}"  # str.format over the example; applies to plain-text prompts only
+    # true: render each prompt with the tokenizer's own chat template (add_generation_prompt=True), token
+    # for token what vLLM's chat endpoint builds; a plain-text prompt becomes one user message, and a source
+    # may yield conversations (a list of {"role", "content"} messages, TRL's convention) as the prompt.
+    chat_template: bool = False
+    system_prompt: str = ""  # chat_template only: a system message put before conversations without one
     eval_size: int = 64
     seed: int = 0
 
@@ -191,6 +196,9 @@ class MetricsConfig:
     console: bool = True
     wandb_project: str = ""  # empty disables Weights & Biases
     wandb_mode: str = _choice("offline", "offline", "online")
+    # Steps (as numbered in metrics.jsonl, 1..trainer.steps) to trace with jax.profiler into
+    # workdir/profile/ (TensorBoard's profile plugin, or the perfetto_trace.json.gz in ui.perfetto.dev).
+    profile_steps: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -454,6 +462,7 @@ def validate(cfg: Config) -> Config:
             f"{tr.micro_batch_size} must be 0 or divide the minibatch size {minibatch}",
         )
     _validate_packing(cfg)
+    _validate_prompts_and_profile(cfg)
     if cfg.algo.dual_clip_c and cfg.algo.dual_clip_c <= 1.0:
         raise ConfigError("algo.dual_clip_c", f"must be 0 (off) or > 1, got {cfg.algo.dual_clip_c}")
     if len(cfg.reward.functions) != len(cfg.reward.weights) or not cfg.reward.functions:
@@ -498,6 +507,47 @@ def _validate_packing(cfg: Config) -> None:
         )
 
 
+def _validate_prompts_and_profile(cfg: Config) -> None:
+    if cfg.data.system_prompt and not cfg.data.chat_template:
+        raise ConfigError(
+            "data.system_prompt",
+            "is a chat message: it needs data.chat_template=true (or put it in data.template)",
+        )
+    if cfg.data.chat_template and cfg.rollout.env:
+        raise ConfigError(
+            "data.chat_template",
+            f"applies to single-turn prompts; rollout.env={cfg.rollout.env!r} builds its own conversation",
+        )
+    steps = cfg.metrics.profile_steps
+    bad = [
+        s for s in steps if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= cfg.trainer.steps
+    ]
+    if bad:
+        raise ConfigError(
+            "metrics.profile_steps",
+            f"{bad!r} are not step numbers in [1, trainer.steps={cfg.trainer.steps}], e.g. (3, 4)",
+        )
+
+
+def check_chat_template(data: DataConfig, tokenizer_path: str) -> None:
+    """ConfigError on data.chat_template when the checkpoint's tokenizer has no chat template (loads the
+    tokenizer the run will use, so what is checked is what renders)."""
+    if not data.chat_template:
+        return
+    from rljax import models
+
+    try:
+        tokenizer = models.load_tokenizer(tokenizer_path)
+    except (OSError, ValueError) as e:
+        raise ConfigError("model.path", f"cannot load its tokenizer: {type(e).__name__}: {e}") from e
+    if not tokenizer.chat_template:
+        raise ConfigError(
+            "data.chat_template",
+            f"the tokenizer in {tokenizer_path!r} has no chat template (chat_template.jinja, or "
+            "chat_template in tokenizer_config.json); add one or set data.chat_template=false",
+        )
+
+
 def _validate_mesh_sizes(mesh: MeshConfig) -> None:
     sizes = {"mesh.data": mesh.data, "mesh.fsdp": mesh.fsdp, "mesh.tensor": mesh.tensor}
     for key, size in sizes.items():
@@ -534,9 +584,9 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
 
 def validate_runtime(cfg: Config, num_devices: int) -> dict[str, int]:
     """Checks that need the machine, before anything is allocated: mesh vs device count, the model
-    directory, the micro-batch vs data parallelism and (unless `mesh.allow_replication`) that every mesh
-    axis divides each dimension the sharding rules give it (`check_mesh_divides_model`). Returns mesh
-    sizes."""
+    directory, the micro-batch vs data parallelism, (unless `mesh.allow_replication`) that every mesh
+    axis divides each dimension the sharding rules give it (`check_mesh_divides_model`), and that the
+    tokenizer has a chat template when `data.chat_template` is set. Returns mesh sizes."""
     sizes = mesh_shape(cfg.mesh, num_devices)
     path = cfg.model.path
     if not os.path.isdir(path):
@@ -555,6 +605,7 @@ def validate_runtime(cfg: Config, num_devices: int) -> dict[str, int]:
     if not cfg.mesh.allow_replication:
         decoder = "" if cfg.model.family == "auto" else cfg.model.family
         check_mesh_divides_model(read_model_config(path, decoder), sizes)
+    check_chat_template(cfg.data, path)
     return sizes
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import string
 from collections.abc import Iterable, Iterator, Sequence
@@ -87,8 +88,9 @@ def split_train_eval(
     examples: Sequence[Example], *, eval_size: int, seed: int = 0, key: str = "prompt"
 ) -> tuple[list[Example], list[Example]]:
     """(train, eval): `eval_size` examples with distinct `key`s picked with `seed`; train is every example
-    whose `key` is not among them, so no held-out prompt (even a duplicate of one) is ever trained on."""
-    distinct = sorted({str(e[key]) for e in examples})
+    whose `key` is not among them, so no held-out prompt (even a duplicate of one) is ever trained on.
+    A conversation prompt is compared by its canonical JSON (role and content of every message)."""
+    distinct = sorted({_key_text(e[key]) for e in examples})
     if not 0 < eval_size < len(distinct):
         raise ValueError(
             f"eval_size {eval_size} not in [1, {len(distinct) - 1}] ({len(distinct)} distinct {key}s)"
@@ -96,11 +98,16 @@ def split_train_eval(
     held_out = set(random.Random(seed).sample(distinct, eval_size))
     eval_set, seen = [], set()
     for e in examples:
-        if str(e[key]) in held_out and str(e[key]) not in seen:
-            seen.add(str(e[key]))
+        text = _key_text(e[key])
+        if text in held_out and text not in seen:
+            seen.add(text)
             eval_set.append(e)
-    train = [e for e in examples if str(e[key]) not in held_out]
+    train = [e for e in examples if _key_text(e[key]) not in held_out]
     return train, eval_set
+
+
+def _key_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
 def format_prompt(example: Example, template: str) -> str:

@@ -1,6 +1,7 @@
 """Example sources: the `SOURCES` registry and the file-backed ones (jsonl, parquet, hf_datasets).
 
-Every source returns a list of examples: dicts with at least "prompt" (str) and "answer" (str), plus
+Every source returns a list of examples: dicts with at least "prompt" (a str, or a conversation: a list
+of {"role", "content"} messages, rendered with `data.chat_template=true`) and "answer" (str), plus
 whatever other fields the record has. `fields` maps our names to the record's ones, e.g.
 {"prompt": "question", "answer": "final"}; a dotted name ("meta.answer") reads a nested field.
 """
@@ -12,6 +13,7 @@ import pathlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from rljax.data.chat import check_prompt
 from rljax.registry import Registry
 
 Example = dict[str, Any]
@@ -65,7 +67,8 @@ def map_fields(
         if missing:
             hint = f"; map them with fields={{{', '.join(repr(k) + ': ...' for k in missing)}}}"
             raise KeyError(f"{where} record {n}: missing {missing}; record has {sorted(record)}{hint}")
-        example["prompt"], example["answer"] = str(example["prompt"]), str(example["answer"])
+        example["prompt"] = check_prompt(example["prompt"], f"{where} record {n}")
+        example["answer"] = str(example["answer"])
         examples.append(example)
     return examples
 

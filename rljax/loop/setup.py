@@ -20,6 +20,7 @@ import numpy as np
 from rljax import algos, models, trainer
 from rljax.checkpoint import Checkpointer, abstract_like
 from rljax.config import Config, mesh_shape, to_dict
+from rljax.data import make_prompt_renderer
 from rljax.loop.async_rollout import AsyncProducer
 from rljax.loop.data_setup import PromptStream, load_examples
 from rljax.loop.distributed import is_leader, to_host
@@ -59,14 +60,15 @@ class Run:
     start_step: int
     stop_token_ids: tuple
     max_sequence_length: int
+    renderer: Any  # rljax.data.make_prompt_renderer: example -> prompt text / token ids
     producer: Any = None
     batch_template: Any = None  # the LossInputs structure non-leader processes receive the batch into
 
     def encode_prompt(self, example: dict) -> list[int]:
-        return list(self.tokenizer(self.prompt_text(example), add_special_tokens=False)["input_ids"])
+        return self.renderer.ids(example)
 
     def prompt_text(self, example: dict) -> str:
-        return self.cfg.data.template.format(**example)
+        return self.renderer.text(example)
 
     def decode(self, token_ids) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
@@ -226,6 +228,12 @@ def build_run(cfg: Config, workdir: str) -> Run:
         start_step=start_step,
         stop_token_ids=tuple(cfg.rollout.stop_token_ids) or (int(tokenizer.eos_token_id),),
         max_sequence_length=cfg.rollout.vllm.max_model_len,
+        renderer=make_prompt_renderer(
+            tokenizer,
+            template=cfg.data.template,
+            chat_template=cfg.data.chat_template,
+            system_prompt=cfg.data.system_prompt,
+        ),
     )
     run.batch_template = batch_template(cfg)
     if not is_leader():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+import jax
 import numpy as np
 
 from rljax.checkpoint import save_batch
@@ -17,18 +18,25 @@ from rljax.loop import rollout_phase
 from rljax.loop.distributed import barrier, broadcast_tree, is_leader
 from rljax.loop.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from rljax.loop.setup import Run, build_run
+from rljax.metrics.parameters import write_parameter_overview
+from rljax.metrics.profile import StepProfiler, profile_dir
 
 
 def train(cfg: Config, workdir: str) -> None:
     """Trains for `trainer.steps` steps in `workdir`, resuming from its latest checkpoint if any."""
     run = build_run(cfg, workdir)
     watch = PreemptionWatch()
+    profiler = StepProfiler(profile_dir(workdir, jax.process_index()), cfg.metrics.profile_steps)
     phase = "failed"
     try:
+        if is_leader():
+            table = write_parameter_overview(run.state.params, workdir)
+            print(f"rljax: parameters (also in {workdir}/parameters.txt):\n{table}", flush=True)
         if run.start_step == 0:
             run.logger.write(0, leader_evaluate(run) | {"policy/version": 0.0})
         for step in range(run.start_step, cfg.trainer.steps):
-            run_step(run, step)
+            with profiler.step(step + 1):  # numbered as in metrics.jsonl
+                run_step(run, step)
             last = step + 1 == cfg.trainer.steps
             if watch.should_stop():
                 save_checkpoint(run, step + 1)
@@ -45,6 +53,7 @@ def train(cfg: Config, workdir: str) -> None:
         print(f"rljax: finished {cfg.trainer.steps} steps in {run.workdir}", flush=True)
         phase = "done"
     finally:
+        profiler.stop()
         watch.restore()
         run.close(phase)
 
