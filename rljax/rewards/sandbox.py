@@ -173,6 +173,7 @@ def run_python(
     cpu_s: int | None = None,
     env: dict[str, str] | None = None,
     mode: str | None = None,
+    tmpfs_mb: int | None = None,
     max_output_bytes: int = 1 << 20,
 ) -> SandboxResult:
     """Runs `code` as `main.py` in a fresh sandbox and returns its (size-capped) output and how it ended.
@@ -181,7 +182,8 @@ def run_python(
     ceil(timeout_s) + 1; `memory_mb` caps the run's total memory (cgroup, tmpfs included) and each
     process's address space; `max_file_mb` caps every file written, stdout and stderr included;
     `max_procs` caps the run's processes; `env` adds variables to the clean environment; `mode` is
-    "namespace" or "audit" (default: `configure`'s, else "namespace").
+    "namespace" or "audit" (default: `configure`'s, else "namespace"); `tmpfs_mb` sizes each private
+    tmpfs (namespace mode; default: `configure`'s).
     Raises SandboxUnavailable when the mode cannot run here, SandboxError when a run's set-up failed.
     """
     info = check(mode or _settings["mode"])
@@ -196,6 +198,7 @@ def run_python(
         max_procs=max_procs,
         cpu_s=cpu_s,
         env=env,
+        tmpfs_mb=tmpfs_mb,
         max_output_bytes=max_output_bytes,
     )
 
@@ -269,7 +272,7 @@ def _launch_prefix(mode: str) -> list[str]:
 
 def _run(mode: str, python: str, code: str, *, stdin: str, timeout_s: float, memory_mb: int,
          max_file_mb: int, max_procs: int, cpu_s: int | None = None, env: dict[str, str] | None = None,
-         max_output_bytes: int = 1 << 20) -> SandboxResult:  # fmt: skip
+         tmpfs_mb: int | None = None, max_output_bytes: int = 1 << 20) -> SandboxResult:  # fmt: skip
     start = time.monotonic()
     slot = _slots.hold_slot() if os.geteuid() == 0 else nullcontext(None)
     with (
@@ -290,7 +293,7 @@ def _run(mode: str, python: str, code: str, *, stdin: str, timeout_s: float, mem
                 "caller": os.getpid(),
                 "code_path": os.path.join(root, "main.py"),
                 "workdir": work,
-                "tmpfs_bytes": int(_settings["tmpfs_mb"]) << 20,
+                "tmpfs_bytes": int(tmpfs_mb or _settings["tmpfs_mb"]) << 20,
             }
             args = [f"{k}={v}" for k, v in cfg.items()] + [f"cgroup={d}" for d in cgroups]
             argv = [*_launch_prefix(mode), python, "-I", os.path.join(root, "boot.py"), *args]
