@@ -5,6 +5,7 @@ liveness deadline (a sandbox that failed to stop it would run into its much long
 Namespace mode needs root and cgroups: this machine and CI run as root with cgroup v1 controllers.
 """
 
+import dataclasses
 import errno
 import glob
 import json
@@ -117,8 +118,7 @@ for what in ("mem", "cmdline", "environ", "cwd"):
     except OSError as e:
         report[what] = type(e).__name__
 sources = {}
-paths = glob.glob("HOSTTMP/rljax-*/**/main.py", recursive=True) + glob.glob("/tmp/**/main.py", recursive=True)
-for path in paths:
+for path in VICTIM_SOURCES:  # where the victim's code lies on the host
     try:
         sources[path] = open(path).read()
     except OSError as e:
@@ -145,7 +145,10 @@ def test_a_sandbox_cannot_read_another_ones_source_or_memory(mode):
     while not (pids := tagged_pids(tag)) and time.monotonic() < end:
         time.sleep(0.05)
     assert pids, "the victim never started"
-    spy = SPY.replace("VICTIM", str(max(pids))).replace("HOSTTMP", tempfile.gettempdir())
+    pattern = f"{tempfile.gettempdir()}/rljax-sandbox-*/**/main.py"
+    sources = [p for p in glob.glob(pattern, recursive=True) if secret in pathlib.Path(p).read_text()]
+    assert sources, "the victim's source should be on the host for this test to try it"
+    spy = SPY.replace("VICTIM_SOURCES", repr(sources)).replace("VICTIM", str(max(pids)))
     result = run_python(spy, mode=mode, timeout_s=10.0)
     victim.join()
     report = json.loads(result.stdout)
@@ -153,11 +156,9 @@ def test_a_sandbox_cannot_read_another_ones_source_or_memory(mode):
     # A process's cmdline is world-readable on the host /proc (audit mode); it holds no secret.
     for what in ("mem", "environ", "cwd") + (("cmdline",) if mode == "namespace" else ()):
         assert report[what] in ("PermissionError", "FileNotFoundError"), (what, report[what])
-    assert all(
-        v in ("PermissionError", "FileNotFoundError")
-        for p, v in report["sources"].items()
-        if "/tmp/main.py" != p
-    ), report["sources"]
+    denied = ("PermissionError", "FileNotFoundError")
+    assert len(report["sources"]) == len(sources), report["sources"]
+    assert all(v in denied for v in report["sources"].values()), report["sources"]
     if mode == "namespace":
         assert max(report["visible_pids"]) <= 3, report["visible_pids"]  # only its own processes
 
@@ -322,3 +323,14 @@ def test_sandbox_is_not_dumpable_and_has_no_new_privs():
     # Not dumpable: /proc/self/* of a non-dumpable process belongs to root, not to the process's uid.
     owner = run_python("import os\nprint(os.stat('/proc/self/mem').st_uid, os.getuid())").stdout.split()
     assert owner[0] == "0" and owner[1] != "0"
+
+
+def test_config_lists_the_sandbox_modes_and_rejects_others():
+    from rljax import config as config_lib
+
+    assert config_lib.SANDBOX_MODES == sandbox_lib.MODES
+    cfg = config_lib.Config()
+    assert cfg.reward.sandbox == "namespace"  # the default fails closed
+    bad = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, sandbox="none"))
+    with pytest.raises(config_lib.ConfigError, match="reward.sandbox.*namespace, audit"):
+        config_lib.validate(bad)
