@@ -132,7 +132,14 @@ def _run_user(libc):
     sys.modules["__main__"] = main
     with open("main.py") as f:
         source = f.read()
-    exec(compile(source, main.__file__, "exec"), main.__dict__)
+    try:
+        exec(compile(source, main.__file__, "exec"), main.__dict__)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - reported as Python would, without the boot's frames
+        e = e.with_traceback(e.__traceback__.tb_next)
+        sys.excepthook(type(e), e, e.__traceback__)
+        sys.exit(1)
     sys.exit(0)  # a normal interpreter exit (flushes stdout), not the boot's os._exit below
 
 
