@@ -13,6 +13,7 @@ import os
 import pathlib
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -234,7 +235,9 @@ def test_a_timed_out_run_leaves_no_zombie_or_process_and_no_cgroup():
     assert processes_of_uid(result.uid) == []
     layout = sandbox_lib._layout()
     mine = [
-        p for parent in set(layout.parents.values()) for p in parent.glob(f"{_cgroups.PREFIX}{os.getpid()}-*")
+        p
+        for parent in set(layout.parents.values())
+        for p in parent.glob(f"{_cgroups.PREFIX}*.{os.getpid()}.*")
     ]
     assert mine == []
 
@@ -334,3 +337,31 @@ def test_config_lists_the_sandbox_modes_and_rejects_others():
     bad = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, sandbox="none"))
     with pytest.raises(config_lib.ConfigError, match="reward.sandbox.*namespace, audit"):
         config_lib.validate(bad)
+
+
+def test_stale_cgroups_are_swept_by_owner_identity_not_by_pid():
+    # A PID alone may be reused or belong to another PID namespace: owners are (namespace, pid, start time).
+    layout = sandbox_lib._layout()
+    sleeper = subprocess.Popen(["sleep", "30"])
+    dead_owner = _cgroups._owner_token(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    ns, pid, start = _cgroups._owner_token(os.getpid()).split(".")
+    names = {
+        "live": f"{ns}.{pid}.{start}",
+        "dead": dead_owner,
+        "reused_pid": f"{ns}.{pid}.{int(start) + 1}",
+        "other_namespace": f"{int(ns) + 1}.{sleeper.pid}.1",
+    }
+    dirs = {
+        k: [p / f"{_cgroups.PREFIX}{v}-0" for p in set(layout.parents.values())] for k, v in names.items()
+    }
+    try:
+        for paths in dirs.values():
+            for path in paths:
+                path.mkdir()
+        assert _cgroups.sweep_stale(layout) >= 2
+        exists = {k: all(p.exists() for p in paths) for k, paths in dirs.items()}
+        assert exists == {"live": True, "dead": False, "reused_pid": False, "other_namespace": True}
+    finally:
+        _cgroups.remove([p for paths in dirs.values() for p in paths])

@@ -2,9 +2,9 @@
 
 cgroup v2 is used where the unified hierarchy has the memory and pids controllers; otherwise cgroup v1
 (one directory per controller under /sys/fs/cgroup/{memory,pids,cpu}). Each run gets its own cgroup named
-`rljax-sb-<owner pid>-<n>` below the caller's own cgroup (so the caller's limits still bound it). When a
-run ends, every process left in it is killed and the directories are removed; cgroups whose owner died
-(a SIGKILLed reward worker) are swept by `sweep_stale`.
+`rljax-sb-<pid namespace>.<owner pid>.<start time>-<n>` below the caller's own cgroup (so the caller's
+limits still bound it). When a run ends, every process left in it is killed and the directories are
+removed; cgroups whose owner died (a SIGKILLed reward worker) are swept by `sweep_stale`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 ROOT = pathlib.Path("/sys/fs/cgroup")
 PREFIX = "rljax-sb-"
 _REQUIRED = ("memory", "pids")  # cpu is applied where present
+_OPTIONAL = ("memory.memsw.limit_in_bytes", "memory.swap.max")  # only where swap accounting is on
 _counter = itertools.count()
 
 
@@ -44,21 +45,36 @@ def _v2_layout() -> Layout | None:
     if mount is None:
         return None
     parent = mount / _own_path("").lstrip("/")
-    if not set(_REQUIRED) <= set((parent / "cgroup.controllers").read_text().split()):
+    available = (parent / "cgroup.controllers").read_text().split()
+    if not set(_REQUIRED) <= set(available):
         return None
-    wanted = [c for c in (*_REQUIRED, "cpu") if c in (parent / "cgroup.controllers").read_text().split()]
+    wanted = [c for c in (*_REQUIRED, "cpu") if c in available]
     # Why: a v2 cgroup with processes cannot enable controllers for its children ("no internal
-    # processes"); then v2 is not usable from here without moving the caller, which we do not do.
-    (parent / "cgroup.subtree_control").write_text(" ".join("+" + c for c in wanted))
-    return Layout(2, {c: parent for c in wanted})
+    # processes"); then the runs go next to the caller's cgroup, below its parent, which already
+    # distributes them. We never move the caller.
+    problems = []
+    for base in [parent] + ([parent.parent] if parent != mount else []):
+        try:
+            (base / "cgroup.subtree_control").write_text(" ".join("+" + c for c in wanted))
+            return Layout(2, {c: base for c in wanted})
+        except OSError as e:
+            problems.append(f"{base}: {e.strerror}")
+    raise OSError(
+        f"cannot enable {'+'.join(wanted)} for child cgroups ({'; '.join(problems)}): run the trainer in a "
+        "delegated cgroup, e.g. `systemd-run --scope -p Delegate=yes ...`"
+    )
 
 
 def _v1_layout() -> Layout | None:
     parents = {}
     for controller in (*_REQUIRED, "cpu"):
         mount = ROOT / controller
-        if (mount / "cgroup.procs").exists() and os.access(mount, os.W_OK):
-            parents[controller] = mount / _own_path(controller).lstrip("/")
+        try:
+            parent = mount / _own_path(controller).lstrip("/")
+        except LookupError:  # not mounted as v1 here
+            continue
+        if (mount / "cgroup.procs").exists() and os.access(parent, os.W_OK):
+            parents[controller] = parent
     return Layout(1, parents) if set(_REQUIRED) <= set(parents) else None
 
 
@@ -99,7 +115,7 @@ def _files(limits: dict[str, int], version: int) -> dict[str, list[tuple[str, st
 
 def create(layout: Layout, *, memory: int, pids: int, cpu_millis: int) -> list[pathlib.Path]:
     """Makes one run's cgroup(s) with the limits set; returns their dirs (the processes join them)."""
-    name = f"{PREFIX}{os.getpid()}-{next(_counter)}"
+    name = f"{PREFIX}{_owner_token(os.getpid())}-{next(_counter)}"
     files = _files({"memory": memory, "pids": pids, "cpu_millis": cpu_millis}, layout.version)
     dirs = sorted({parent / name for parent in layout.parents.values()})
     try:
@@ -108,7 +124,7 @@ def create(layout: Layout, *, memory: int, pids: int, cpu_millis: int) -> list[p
         for controller, parent in layout.parents.items():
             for file, value in files[controller]:
                 path = parent / name / file
-                if path.exists():  # memsw / swap.max only where swap accounting is on
+                if file not in _OPTIONAL or path.exists():
                     path.write_text(value)
     except OSError:
         remove(dirs)
@@ -168,24 +184,27 @@ def remove(dirs: list[pathlib.Path]) -> None:
                 time.sleep(0.01)
 
 
-def _alive(pid: int) -> bool:
+def _owner_token(pid: int) -> str | None:
+    """ "<pid namespace inode>.<pid>.<start time>": names a process unambiguously (a reused PID has another
+    start time; a PID of another PID namespace has another inode), or None when `pid` is not running."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    start = stat.rpartition(")")[2].split()[19]  # field 22 of proc(5), counted after the comm field
+    return f"{os.stat('/proc/self/ns/pid').st_ino}.{pid}.{start}"
 
 
 def sweep_stale(layout: Layout) -> int:
     """Removes per-run cgroups whose owner process is gone (e.g. a SIGKILLed reward worker); returns the
-    number removed. A cgroup whose owner pid was reused is left alone (a leak, never a wrong kill)."""
+    number removed. Owners are named by PID namespace, PID and start time, so a reused PID or another
+    namespace's cgroup is never taken for a dead owner; a cgroup of another PID namespace is left alone."""
+    ours = f"{os.stat('/proc/self/ns/pid').st_ino}."
     stale = {}
     for parent in set(layout.parents.values()):
         for d in parent.glob(PREFIX + "*"):
-            owner = d.name[len(PREFIX) :].split("-")[0]
-            if owner.isdigit() and not _alive(int(owner)):
+            owner = d.name[len(PREFIX) :].rpartition("-")[0]
+            if owner.startswith(ours) and _owner_token(int(owner.split(".")[1])) != owner:
                 stale.setdefault(d.name, []).append(d)
     for dirs in stale.values():
         remove(dirs)
