@@ -147,7 +147,8 @@ def check(mode: str) -> dict[str, str]:
             continue
         problem = f"probe with {python}: {report} (stderr {result.stderr[-300:]!r})"
         isolated = report["net"] == "blocked" and (mode == "audit" or report["pid"] <= 3)
-        if result.returncode == 0 and isolated and report["uid"] == result.uid:
+        expected_uid = result.uid if result.uid >= 0 else os.geteuid()  # -1: not root, no slot uid
+        if result.returncode == 0 and isolated and report["uid"] == expected_uid:
             return {"mode": mode, "python": python, "user": str(result.uid), "cgroups": str(_layout())}
     raise SandboxUnavailable(f"sandbox mode {mode!r} does not work here: {problem}{hint}")
 
