@@ -1,4 +1,4 @@
-"""Boot script of the sandbox (stdlib only; started as root or as the caller by `python -I boot.py CFG`).
+"""Sandbox boot (stdlib only; the caller runs `python -I boot.py KEY=VALUE...` as root or as itself).
 
 Three processes, so that nothing the solution runs can reach the trusted ones:
 - outer (host PID namespace, caller's uid): joins the run's cgroups before anything forks, so every
