@@ -36,7 +36,7 @@ for _ in range(3):
         break
 block = b"x" * (257 << 20)
 print("holding 257 MB", flush=True)
-time.sleep(3)
+time.sleep(2)
 """
 
 
@@ -135,7 +135,7 @@ def test_a_sandbox_cannot_read_another_ones_source_or_memory(mode):
     # /proc/<pid>/mem read/write. Namespace mode hides the other run entirely (private /proc and /tmp);
     # audit mode (host /proc) still refuses, by the distinct uid and the non-dumpable process.
     tag, secret = uuid.uuid4().hex, uuid.uuid4().hex
-    victim_code = f"SECRET = {secret!r}\nimport time\ntime.sleep(8)\n"
+    victim_code = f"SECRET = {secret!r}\nimport time\ntime.sleep(5)\n"
     victim = threading.Thread(
         target=run_python,
         args=(victim_code,),
