@@ -127,6 +127,10 @@ class RolloutConfig:
     weight_sync: WeightSyncConfig = WeightSyncConfig()
 
 
+# rljax.rewards.sandbox.MODES (config may not import the host-only rewards package; a test keeps them equal)
+SANDBOX_MODES = ("namespace", "audit")
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     functions: tuple = ("math",)  # names in rljax.rewards.REWARDS or "package.module:function"
@@ -134,6 +138,15 @@ class RewardConfig:
     eval_function: str = "math"  # the verifier behind eval/accuracy (a score >= 0.5 counts as correct)
     timeout_s: float = 5.0
     num_workers: int = 2
+    # Code sandbox (docs/security.md): "namespace" fails closed where it cannot run; "audit" is weaker and
+    # only by explicit choice. Each private tmpfs (/tmp, /dev/shm, /var/tmp) in MB; one run's CPU share.
+    sandbox: str = "namespace"
+    sandbox_tmpfs_mb: int = 64
+    sandbox_cpus: float = 1.0
+
+    def sandbox_settings(self) -> dict[str, Any]:
+        """RewardPool(sandbox=...): the settings its workers pass to rljax.rewards.sandbox.configure."""
+        return {"mode": self.sandbox, "tmpfs_mb": self.sandbox_tmpfs_mb, "cpus": self.sandbox_cpus}
 
 
 @dataclass(frozen=True)
@@ -372,6 +385,8 @@ def _positive(cfg: Config) -> list[tuple[str, Any]]:
         ("rollout.weight_sync.tcp_timeout_s", cfg.rollout.weight_sync.tcp_timeout_s),
         ("reward.timeout_s", cfg.reward.timeout_s),
         ("reward.num_workers", cfg.reward.num_workers),
+        ("reward.sandbox_tmpfs_mb", cfg.reward.sandbox_tmpfs_mb),
+        ("reward.sandbox_cpus", cfg.reward.sandbox_cpus),
         ("checkpoint.every_steps", cfg.checkpoint.every_steps),
         ("checkpoint.keep_last", cfg.checkpoint.keep_last),
         ("model.attention_block_size", cfg.model.attention_block_size),
@@ -405,6 +420,9 @@ def _check_names(cfg: Config) -> None:
     ]:
         if name not in registry:
             raise ConfigError(key, f"unknown name {name!r}; valid: {', '.join(registry.names())}")
+    if cfg.reward.sandbox not in SANDBOX_MODES:
+        valid = ", ".join(SANDBOX_MODES)
+        raise ConfigError("reward.sandbox", f"unknown mode {cfg.reward.sandbox!r}; valid: {valid}")
 
 
 def validate(cfg: Config) -> Config:

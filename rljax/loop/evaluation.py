@@ -17,7 +17,10 @@ def make_evaluator(run, examples: list[dict]) -> Callable[[], dict]:
 
     cfg = run.cfg
     verifier = RewardPool(
-        [(cfg.reward.eval_function, 1.0, {})], num_workers=1, timeout_s=cfg.reward.timeout_s
+        [(cfg.reward.eval_function, 1.0, {})],
+        num_workers=1,
+        timeout_s=cfg.reward.timeout_s,
+        sandbox=cfg.reward.sandbox_settings(),
     )
     prompt_ids = [run.encode_prompt(ex) for ex in examples]
 

@@ -145,7 +145,12 @@ def make_reward_pool(cfg: Config) -> RewardPool:
     specs = [
         (name, weight, {}) for name, weight in zip(cfg.reward.functions, cfg.reward.weights, strict=True)
     ]
-    return RewardPool(specs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    return RewardPool(
+        specs,
+        num_workers=cfg.reward.num_workers,
+        timeout_s=cfg.reward.timeout_s,
+        sandbox=cfg.reward.sandbox_settings(),
+    )
 
 
 def make_writers(cfg: Config, workdir: str, start_step: int) -> tuple[MetricsLogger, StatusWriter]:

@@ -8,6 +8,16 @@ Built in: math, format, length_penalty, overlong, code, countdown. Signature of 
 from rljax.rewards import code, countdown, math_verify, penalties  # noqa: F401  (registers the built-ins)
 from rljax.rewards.base import REWARDS, RewardFn, resolve
 from rljax.rewards.pool import RewardPool
-from rljax.rewards.sandbox import SandboxResult, run_python, sandbox_info
+from rljax.rewards.sandbox import SandboxError, SandboxResult, SandboxUnavailable, run_python, sandbox_info
 
-__all__ = ["REWARDS", "RewardFn", "RewardPool", "SandboxResult", "resolve", "run_python", "sandbox_info"]
+__all__ = [
+    "REWARDS",
+    "RewardFn",
+    "RewardPool",
+    "SandboxError",
+    "SandboxResult",
+    "SandboxUnavailable",
+    "resolve",
+    "run_python",
+    "sandbox_info",
+]

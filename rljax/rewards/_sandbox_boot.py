@@ -1,29 +1,81 @@
-"""Boot script of the sandbox child (stdlib only; copied next to the code and run as `python -I boot.py CFG`).
+"""Sandbox boot (stdlib only; the caller runs `python -I boot.py KEY=VALUE...` as root or as itself).
 
-It runs as the sandbox user (privileges are dropped by `setpriv` before the interpreter starts, so the
-interpreter never holds root), sets the resource limits, optionally installs the audit hook that blocks
-sockets and process spawning, then forks: the child runs `main.py` in the working directory; the parent
-waits for it and writes "exit N" or "signal N" to the status fd. In a PID namespace the parent is PID 1, so
-user code cannot signal it, and when it exits the kernel kills every process left in the namespace.
+Three processes, so that nothing the solution runs can reach the trusted ones:
+- outer (host PID namespace, caller's uid): joins the run's cgroups before anything forks, so every
+  descendant is counted and killed with them; in `namespace` mode it dies with its caller (parent-death
+  signal), unshares mount, PID, network, IPC and UTS namespaces and forks
+- init (PID 1 of the new PID namespace, still privileged): makes every mount private, mounts a fresh
+  /proc (it shows only this sandbox's processes), remounts the rest read-only, mounts size-capped tmpfs
+  on /tmp, /var/tmp and /dev/shm (gone with the namespace), copies main.py there and forks
+- user: drops to the slot's uid/gid (no supplementary groups), becomes non-dumpable (no ptrace, no
+  /proc/<pid>/mem for anyone of its uid) with no_new_privs, sets rlimits, installs the audit hook in `audit`
+  mode, and runs main.py.
+The waiting process writes "exit N" / "signal N" to the status fd; a failed set-up step writes
+"boot <error>" instead, which the caller reports as a sandbox error, never as the solution's result. In
+`audit` mode there are no namespaces: outer forks user directly in the caller's working dir.
 """
 
-import json
 import os
 import resource
 import sys
 
-CFG = json.loads(sys.argv[1])
+
+def _parse_args(args):
+    """KEY=VALUE arguments (no json: importing it costs ~10 ms per run); `cgroup` may repeat."""
+    cfg = {"cgroups": []}
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key == "cgroup":
+            cfg["cgroups"].append(value)
+        elif key in ("mode", "code_path", "workdir"):
+            cfg[key] = value
+        else:
+            cfg[key] = int(value) if value else None
+    return cfg
+
+
+CFG = _parse_args(sys.argv[1:])
 AF_UNIX = 1  # Linux; avoids importing socket before the hook is installed
 BLOCKED_EVENTS = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "pty.spawn"}
+BLOCKED_IMPORTS = {"ctypes", "_ctypes", "_posixsubprocess", "cffi", "_cffi_backend"}
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+_MOUNT_FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
+PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+_IS_USER = False
 
 
 def _audit_hook(event, args):
-    # Why: without a network namespace, block AF_INET/AF_INET6/... sockets and any exec of another program
-    # (curl, a second interpreter) that the hook could not see into.
+    # Why: without namespaces, block AF_INET/AF_INET6/... sockets, exec of another program (curl, a second
+    # interpreter) that the hook could not see into, and the modules that call the C library directly
+    # (ctypes, _posixsubprocess), which would bypass every other check.
     if event == "socket.__new__" and len(args) > 1 and args[1] != AF_UNIX:
         raise PermissionError("network access is disabled in the sandbox")
-    if event in BLOCKED_EVENTS:
+    if event in BLOCKED_EVENTS or event.startswith("ctypes."):
         raise PermissionError(f"{event} is disabled in the sandbox")
+    if event == "import" and args[0].partition(".")[0] in BLOCKED_IMPORTS:
+        raise PermissionError(f"import of {args[0]} is disabled in the sandbox")
+
+
+def _report(message):
+    os.write(CFG["status_fd"], (message + "\n").encode())
+
+
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result, what):
+    if result != 0:
+        import ctypes
+
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
 
 def _set_limits():
@@ -36,31 +88,133 @@ def _set_limits():
     resource.setrlimit(resource.RLIMIT_CPU, (CFG["cpu_s"], CFG["cpu_s"] + 1))
 
 
-def _wait_and_report(pid, status_fd):
+def _wait_for(pid):
+    """Waits for `pid`, reaping any other child on the way (as PID 1, orphans are ours); returns its
+    "exit N" / "signal N"."""
     while True:
         try:
-            _, status = os.waitpid(pid, 0)
-            break
+            done, status = os.waitpid(-1, 0)
         except InterruptedError:
             continue
-    if os.WIFSIGNALED(status):
-        message = f"signal {os.WTERMSIG(status)}"
-    else:
-        message = f"exit {os.WEXITSTATUS(status)}"
-    os.write(status_fd, message.encode())
-    os.close(status_fd)
+        if done == pid:
+            code = os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            return f"{'signal' if os.WIFSIGNALED(status) else 'exit'} {code}"
 
 
-_set_limits()
-if CFG["audit"]:
-    sys.addaudithook(_audit_hook)
-_pid = os.fork()
-if _pid == 0:
+def _become_user(libc):
+    uid = CFG["uid"]
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    if libc is not None:
+        _check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+        _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    _set_limits()
+    os.chdir(CFG["workdir"])
+
+
+def _run_user(libc):
+    try:
+        _become_user(libc)
+    except BaseException as e:  # noqa: BLE001 - reported as a sandbox error
+        _report(f"boot {type(e).__name__}: {e}")
+        os._exit(125)
     os.close(CFG["status_fd"])
+    global _IS_USER
+    _IS_USER = True  # from here on, errors are the solution's: Python reports them as usual
+    if CFG["mode"] == "audit":
+        sys.addaudithook(_audit_hook)
     sys.argv = ["main.py"]
     sys.path.insert(0, os.getcwd())
-    import runpy
+    main = type(sys)("__main__")  # runpy would import pkgutil & co: ~8 ms per run
+    main.__file__ = os.path.abspath("main.py")
+    sys.modules["__main__"] = main
+    with open("main.py") as f:
+        source = f.read()
+    try:
+        exec(compile(source, main.__file__, "exec"), main.__dict__)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - reported as Python would, without the boot's frames
+        e = e.with_traceback(e.__traceback__.tb_next)
+        sys.excepthook(type(e), e, e.__traceback__)
+        sys.exit(1)
+    sys.exit(0)  # a normal interpreter exit (flushes stdout), not the boot's os._exit below
 
-    runpy.run_path("main.py", run_name="__main__")
-else:
-    _wait_and_report(_pid, CFG["status_fd"])
+
+def _fork_user_and_wait(libc):
+    pid = os.fork()
+    if pid == 0:
+        _run_user(libc)
+        return
+    _report(_wait_for(pid))
+
+
+def _mount(libc, source, target, fstype, flags, data):
+    enc = lambda s: None if s is None else s.encode()
+    _check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def _private_mounts(libc, code):
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None)
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            points.append((fields[4], fields[5]))
+    for point, options in points:  # read-only everything; only the private tmpfs below are writable
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        flags |= sum(_MOUNT_FLAGS.get(o, 0) for o in options.split(","))
+        try:
+            _mount(libc, None, point.encode().decode("unicode_escape"), None, flags, None)
+        except OSError:
+            pass  # a mount the kernel will not remount (e.g. a locked one) keeps its flags
+    _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    for target in PRIVATE_TMP:
+        if os.path.isdir(target):
+            size = f"size={CFG['tmpfs_bytes']},nr_inodes=4096,mode=1777"
+            _mount(libc, "tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, size)
+    path = os.path.join(CFG["workdir"], "main.py")
+    with open(path, "w") as f:
+        f.write(code)
+    if CFG["uid"] is not None:
+        os.chown(path, CFG["uid"], CFG["uid"])
+
+
+def _namespace_init(libc, code):
+    _check(libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    _private_mounts(libc, code)
+    _fork_user_and_wait(libc)
+
+
+def _outer():
+    for directory in CFG["cgroups"]:
+        with open(os.path.join(directory, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    if CFG["mode"] == "audit":
+        _fork_user_and_wait(None)
+        os._exit(0)
+    libc = _libc()
+    _check(libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != CFG["caller"]:
+        os._exit(137)  # the caller died before the parent-death signal was set
+    with open(CFG["code_path"]) as f:
+        code = f.read()
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+    _check(libc.unshare(flags), "unshare")
+    pid = os.fork()
+    if pid == 0:
+        _namespace_init(libc, code)
+        os._exit(0)
+    _wait_for(pid)
+    os._exit(0)  # no interpreter teardown for a process that only waited
+
+
+try:
+    _outer()
+except BaseException as e:  # noqa: BLE001 - reported as a sandbox error
+    if _IS_USER:
+        raise
+    _report(f"boot {type(e).__name__}: {e}")
+    os._exit(125)

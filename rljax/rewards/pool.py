@@ -21,7 +21,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
@@ -30,7 +29,11 @@ from typing import Any
 import numpy as np
 import psutil
 
+from rljax.rewards._workdirs import RunDir, worker_env
 from rljax.rewards.base import call_reward, clamp, failure_score, resolve, reward_range
+from rljax.rewards.sandbox import SandboxUnavailable
+from rljax.rewards.sandbox import configure as configure_sandbox
+from rljax.rewards.sandbox import sweep as sweep_sandboxes
 
 log = logging.getLogger(__name__)
 _START_TIMEOUT_S = 30.0  # a fresh worker imports numpy + the rewards; generous for a loaded 2-core machine
@@ -60,19 +63,24 @@ def _normalize_specs(specs: Sequence[RewardSpec]) -> list[tuple[str, Any, float,
     return out
 
 
+def _raise_init_error(text: str) -> None:
+    kind, _, reason = text.partition(": ")
+    if kind == "SandboxUnavailable":
+        raise SandboxUnavailable(reason)
+    raise RuntimeError(f"reward worker failed to start:\n{text}")
+
+
 class _Worker:
     """One worker process and its connection; `task` is (task_id, item, fn) while busy."""
 
-    def __init__(self, init_message: bytes):
+    def __init__(self, init_message: bytes, tmpdir: str):
         parent, child = socket.socketpair()
-        env = dict(os.environ)
+        # Its own temp dir under the pool's run dir, removed on kill: a worker killed mid-run cannot
+        # clean up its sandbox directories itself. An allow-listed environment: no tokens or keys.
+        self.tmpdir = tmpdir
+        env = worker_env(os.environ, tmpdir)
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        # Its own temp dir (traversable by the sandbox user), removed on kill: a worker killed mid-run
-        # cannot clean up its sandbox directories itself.
-        self.tmpdir = tempfile.mkdtemp(prefix="rljax-reward-worker-")
-        os.chmod(self.tmpdir, 0o711)
-        env["TMPDIR"] = self.tmpdir
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rljax.rewards._worker", str(child.fileno())],
             pass_fds=(child.fileno(),),
@@ -99,6 +107,7 @@ class _Worker:
         self.proc.kill()
         self.proc.wait()
         self.conn.close()
+        sweep_sandboxes()  # the cgroups of sandboxes it was running when killed
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
@@ -110,21 +119,30 @@ class RewardPool:
     calls inline (no isolation or timeouts; for debugging).
     total_timeout_s: bound on one score() call; default timeout_s * ceil(calls / num_workers) plus a
     worker start-up allowance.
+    sandbox: `rljax.rewards.sandbox.configure` settings for the workers (mode, tmpfs_mb, cpus); None
+    keeps the sandbox's defaults (namespace mode, failing closed where it cannot run).
     """
 
     def __init__(self, specs: Sequence[RewardSpec], *, num_workers: int = 2, timeout_s: float = 5.0,
-                 total_timeout_s: float | None = None):  # fmt: skip
+                 total_timeout_s: float | None = None,
+                 sandbox: dict[str, Any] | None = None):  # fmt: skip
         self._specs = _normalize_specs(specs)
         self.names = [name for name, *_ in self._specs]
         self.weights = np.asarray([w for _, _, w, _ in self._specs], np.float32)
         self.num_workers, self.timeout_s, self.total_timeout_s = num_workers, timeout_s, total_timeout_s
         self.restarts = 0
         self.last_errors: dict[str, str] = {}
-        init = ("init", list(sys.path), pickle.dumps([(fn, opts) for _, fn, _, opts in self._specs]))
-        self._init_message = pickle.dumps(init)
+        sandbox = dict(sandbox or {})
+        configure_sandbox(**sandbox)  # checks the names here; inline calls (num_workers=0) use it too
+        specs_pickle = pickle.dumps([(fn, opts) for _, fn, _, opts in self._specs])
+        self._init_message = pickle.dumps(("init", list(sys.path), specs_pickle, sandbox))
         self._inline = [(resolve(fn) if isinstance(fn, str) else fn, o) for _, fn, _, o in self._specs]
         self.ranges = [reward_range(fn, options) for fn, options in self._inline]
-        self._workers = [_Worker(self._init_message) for _ in range(num_workers)]
+        self._run_dir = RunDir()
+        self._workers = [self._new_worker() for _ in range(num_workers)]
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._init_message, self._run_dir.new_worker_dir())
 
     def __enter__(self) -> RewardPool:
         return self
@@ -145,7 +163,7 @@ class RewardPool:
                     self._replace(self._workers.index(waiting[conn]))
                     continue
                 if message[0] == "init_error":
-                    raise RuntimeError(f"reward worker failed to start:\n{message[1]}")
+                    _raise_init_error(message[1])
                 waiting[conn].ready = True
         return all(w.ready for w in self._workers)
 
@@ -154,6 +172,8 @@ class RewardPool:
         for worker in self._workers:
             worker.kill()
         self._workers = []
+        if hasattr(self, "_run_dir"):
+            self._run_dir.close()
 
     def __del__(self) -> None:
         try:
@@ -225,7 +245,7 @@ class RewardPool:
 
     def _replace(self, index: int) -> None:
         self._workers[index].kill()
-        self._workers[index] = _Worker(self._init_message)
+        self._workers[index] = self._new_worker()
         self.restarts += 1
 
     def _score_in_workers(self, batch, values, timeouts, errors) -> None:
@@ -280,7 +300,7 @@ class RewardPool:
             if message[0] == "ready":
                 w.ready = True
             elif message[0] == "init_error":
-                raise RuntimeError(f"reward worker failed to start:\n{message[1]}")
+                _raise_init_error(message[1])
             elif w.task is not None and message[1] == w.task[0]:
                 _, _, value, kind, text = message
                 _, i, k = w.task
