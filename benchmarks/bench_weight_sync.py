@@ -89,15 +89,17 @@ def memcpy_seconds(nbytes: int) -> float:
 class Probe:
     """Back-to-back 1-token requests (straight to the server, not through rljax's gate)."""
 
-    def __init__(self, url: str, model: str):
+    def __init__(self, url: str, model: str, headers: dict):
         self.url, self.model, self.spans, self._stop = url, model, [], threading.Event()
+        self.headers = headers  # the server's bearer token
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         body = {"model": self.model, "prompt": [5, 6, 7, 8], "max_tokens": 1, "temperature": 0.0}
         while not self._stop.is_set():
             t = time.perf_counter()
-            requests.post(self.url + "/v1/completions", json=body, timeout=120).raise_for_status()
+            r = requests.post(self.url + "/v1/completions", json=body, headers=self.headers, timeout=120)
+            r.raise_for_status()
             self.spans.append((t, time.perf_counter()))
 
     def __enter__(self):
@@ -123,13 +125,13 @@ def last_engine_timing(log_path: Path) -> dict:
     return {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", lines[-1].split("rljax-shm update:")[1])}
 
 
-def vllm_reload_seconds(url: str, weights_dir: str) -> float:
+def vllm_reload_seconds(url: str, weights_dir: str, headers: dict) -> float:
     t = time.perf_counter()
-    requests.post(url + "/pause", params={"mode": "wait"}, timeout=60).raise_for_status()
+    requests.post(url + "/pause", params={"mode": "wait"}, headers=headers, timeout=60).raise_for_status()
     body = {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}, "timeout": 600}
-    r = requests.post(url + "/collective_rpc", json=body, timeout=600)
+    r = requests.post(url + "/collective_rpc", json=body, headers=headers, timeout=600)
     r.raise_for_status()
-    requests.post(url + "/resume", timeout=60).raise_for_status()
+    requests.post(url + "/resume", headers=headers, timeout=60).raise_for_status()
     return time.perf_counter() - t
 
 
@@ -200,7 +202,7 @@ def main() -> None:
             for v in variants:
                 engine.syncer.options = dataclasses.replace(base, **VARIANTS[v])
                 version += 1
-                with Probe(url, model) as probe:
+                with Probe(url, model, engine.syncer.headers) as probe:
                     m = engine.push_weights(
                         models.iter_hf_tensors(config, params), version, trainer_logprobs=trainer_logprobs
                     )
@@ -219,8 +221,8 @@ def main() -> None:
                     }
                     | {f"engine_{k}": val for k, val in timing.items()}
                 )
-            with Probe(url, model) as probe:
-                reload_s = vllm_reload_seconds(url, str(ckpt))
+            with Probe(url, model, engine.syncer.headers) as probe:
+                reload_s = vllm_reload_seconds(url, str(ckpt), engine.syncer.headers)
             rows["vllm_reload"].append({"probe_longest_s": probe.longest(), "pause_s": reload_s})
     finally:
         engine.close()

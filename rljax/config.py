@@ -84,7 +84,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class VLLMConfig:
     urls: tuple = ()  # existing servers; empty: rljax starts and owns one
-    host: str = "127.0.0.1"  # loopback by default: vLLM's RL endpoints are not authenticated
+    host: str = "127.0.0.1"  # owned servers bind here; a non-loopback host needs allow_remote
+    allow_remote: bool = False  # allow a non-loopback host (every route still needs the run's bearer token)
+    token_file: str = ""  # servers in `urls`: a 0600 file with their bearer token ("" = they need none)
     port: int = 0  # 0 picks a free port
     gpu_memory_utilization: float = 0.15  # on CPU: fraction of host RAM reserved
     kvcache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on the CPU build
@@ -425,6 +427,26 @@ def _check_names(cfg: Config) -> None:
         raise ConfigError("reward.sandbox", f"unknown mode {cfg.reward.sandbox!r}; valid: {valid}")
 
 
+def is_loopback_host(host: str) -> bool:
+    """True for `localhost` and loopback IP literals (127.0.0.0/8, ::1); False for any other name."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _private_file(path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return os.path.isfile(path) and not st.st_mode & 0o077
+
+
 def validate(cfg: Config) -> Config:
     """Checks cross-field facts that need no devices; raises ConfigError naming the field. Returns cfg."""
     for key, value in _positive(cfg):
@@ -464,6 +486,16 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"rollout.vllm.{key}", f"must be >= 0, got {getattr(ro.vllm, key)}")
     if not ro.vllm.request_timeout_s > 0:
         raise ConfigError("rollout.vllm.request_timeout_s", f"must be > 0, got {ro.vllm.request_timeout_s}")
+    if not (ro.vllm.urls or ro.vllm.allow_remote or is_loopback_host(ro.vllm.host)):
+        raise ConfigError(
+            "rollout.vllm.host",
+            f"{ro.vllm.host!r} is not a loopback address: the server's weight-update routes would be "
+            "reachable from other hosts; set rollout.vllm.allow_remote=true to allow it (token-protected)",
+        )
+    if ro.vllm.token_file and not _private_file(ro.vllm.token_file):
+        raise ConfigError(
+            "rollout.vllm.token_file", f"{ro.vllm.token_file!r} must be an existing file with mode 0600"
+        )
     if ro.vllm.block_size < 0 or ro.vllm.block_size % 32:
         raise ConfigError(
             "rollout.vllm.block_size",

@@ -105,6 +105,9 @@ def process_envs(num_processes: int, devices_per_process: int, port: int, base: 
         env = dict(
             base,
             RLJAX_COORDINATOR=f"127.0.0.1:{port}",
+            # JAX's coordinator binds every interface ([::]:port) unless told otherwise; one machine needs
+            # only loopback, and nothing else on the network should reach the job's key-value store.
+            JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
             RLJAX_NUM_PROCESSES=str(num_processes),
             RLJAX_PROCESS_ID=str(rank),
             RLJAX_PLATFORM=platform,

@@ -151,6 +151,7 @@ def test_grpo_main_multi_turn_calculator(served, tmp_path):
         "--config.rollout.env=calculator_math",
         f"--config.model.path={served.path}",
         f"--config.rollout.vllm.urls=('{url}',)",
+        f"--config.rollout.vllm.token_file={served.engine.servers[0].token_file}",
         "--config.trainer.eval_every=0",
         "--config.data.source_options=(('num_examples', 400), ('max_value', 4), ('ops', ('+',)))",  # = TASK
         f"--workdir={tmp_path}",

@@ -52,6 +52,7 @@ def run_dir(tmp_path_factory):
             f"--workdir={root / 'run'}",
             f"--config.model.path={MODEL}",
             f"--config.rollout.vllm.urls=('{server.url}',)",
+            f"--config.rollout.vllm.token_file={server.token_file}",
             "--config.trainer.steps=2",
             "--config.trainer.eval_every=0",
             "--config.rollout.batch_size=16",

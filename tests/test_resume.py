@@ -36,6 +36,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 class Server(typing.NamedTuple):
     url: str
     jax_cache: str  # a persistent compilation cache shared by this module's runs (same programs, same bits)
+    token_file: str  # the server's bearer token (rollout.vllm.token_file)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def server(tmp_path_factory):
     server = VLLMServer(MODEL, root, options=TEST_SERVER_OPTIONS).spawn()
     try:
         server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
-        yield Server(server.url, str(root / "jax_cache"))
+        yield Server(server.url, str(root / "jax_cache"), str(server.token_file))
     finally:
         server.stop()
 
@@ -62,6 +63,7 @@ def command(workdir, server, *overrides):
         f"--workdir={workdir}",
         f"--config.model.path={MODEL}",
         f"--config.rollout.vllm.urls=('{server.url}',)",
+        f"--config.rollout.vllm.token_file={server.token_file}",
         f"--config.trainer.steps={STEPS}",
         "--config.trainer.eval_every=0",
         "--config.rollout.batch_size=16",

@@ -69,6 +69,7 @@ def test_requests_spread_over_replicas_and_retry_past_a_dead_one(served_qwen2):
         engine.client.model,
         gate=engine.gate,
         options=ClientOptions(max_retries=1, retry_backoff_s=0.05),
+        token=engine.token,
     )
     try:
         out = client.generate(PROMPTS * 2, n=2, temperature=1.0, max_tokens=4, seed=0)

@@ -82,6 +82,7 @@ def _unchecked_syncer(engine) -> WeightSyncer:
         canary=engine.syncer.canary,
         gate=engine.gate,
         options=SyncOptions(bucket_bytes=40 * 1024),
+        headers=engine.syncer.headers,
     )
 
 
@@ -121,7 +122,9 @@ def test_canary_catches_stale_tied_lm_head_without_the_repack_fix(served_qwen2):
 
 def test_canary_is_sized_from_the_servers_kv_block(served_qwen2):
     (url,) = served_qwen2.engine.urls
-    assert server_block_size(url) == 32  # read from vLLM's /metrics (cache_config_info)
+    assert (
+        server_block_size(url, headers=served_qwen2.engine.syncer.headers) == 32
+    )  # read from vLLM's /metrics (cache_config_info)
     assert len(served_qwen2.engine.syncer.canary.prompt_ids) == canary_prompt_len(32)
     assert server_block_size("http://127.0.0.1:9") is None  # nothing there: the caller's fall-back
 
@@ -139,6 +142,7 @@ def test_update_left_open_by_a_dead_trainer_is_closed_by_the_next_push(served_qw
     version, state = served_qwen2.engine.version, served_qwen2.ref.state()
     (url,) = served_qwen2.engine.urls
     # What a trainer SIGKILLed between /start_weight_update and /finish_weight_update leaves behind.
-    requests.post(url + "/start_weight_update", timeout=30).raise_for_status()
+    headers = served_qwen2.engine.syncer.headers
+    requests.post(url + "/start_weight_update", headers=headers, timeout=30).raise_for_status()
     served_qwen2.push(perturbed(state, seed=31), version + 1)
     _assert_serves_reference(served_qwen2, version + 1)

@@ -8,6 +8,7 @@ after which a full push serves the trainer's weights again.
 
 import re
 import socket
+import threading
 import time
 
 import numpy as np
@@ -16,7 +17,7 @@ from test_weight_sync import TOL, _assert_serves_reference
 from vllm_server import perturbed
 
 from rljax.rollout import RolloutError
-from rljax.weight_sync import SyncOptions, WeightSyncError, stage_buckets, stream
+from rljax.weight_sync import SyncOptions, WeightSyncError, stage_buckets, stream, wire
 
 
 def _last_worker_timing(log_path) -> dict[str, float]:
@@ -31,23 +32,126 @@ def _bucket(tmp_path, seed=0):
     return bucket, open(bucket.path, "rb").read()
 
 
+def _alloc(calls=None):
+    def allocate(n):
+        if calls is not None:
+            calls.append(n)
+        return np.empty(n, np.uint8)
+
+    return allocate
+
+
+def _stranger(server, payload: bytes) -> socket.socket:
+    s = socket.create_connection((server.host, server.port), timeout=5)
+    if payload:
+        s.sendall(payload)
+    return s
+
+
+def _dropped(s: socket.socket) -> bool:
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _wait_until(predicate, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
 def test_stream_round_trip_and_refusals(tmp_path):
     bucket, data = _bucket(tmp_path)
     with stream.BucketServer(timeout_s=5) as server:
         server.add(bucket.index, bucket.path)
         client = stream.BucketClient(server.address(5.0))
-        buf, n = client.fetch(bucket.index, lambda k: np.empty(k, np.uint8))
+        buf, n = client.fetch(bucket.index, len(data), _alloc())
         assert n == len(data) and buf.tobytes() == data
-        buf, n = client.fetch(bucket.index, lambda k: np.empty(k, np.uint8))  # same connection, again
+        buf, n = client.fetch(bucket.index, len(data), _alloc())  # same connection, again
         assert buf.tobytes() == data
         assert server.wait_sent(2, timeout_s=5.0)
         with pytest.raises(stream.StreamError, match="unknown bucket 7"):
-            client.fetch(7, lambda k: np.empty(k, np.uint8))
+            client.fetch(7, len(data), _alloc())
         client.close()
-        bad = stream.BucketClient(server.address(5.0) | {"token": "0" * 32})
-        with pytest.raises(stream.StreamError, match="bad token"):
-            bad.fetch(bucket.index, lambda k: np.empty(k, np.uint8))
+        # A wrong pre-auth token: the server drops the connection before reading any request.
+        bad = stream.BucketClient(server.address(5.0) | {"token": "0" * 64})
+        with pytest.raises(OSError):
+            bad.fetch(bucket.index, len(data), _alloc())
         bad.close()
+        _wait_until(lambda: server.refused >= 1, "the bad token was not refused")
+
+
+def test_stream_size_is_checked_before_allocation(tmp_path):
+    bucket, data = _bucket(tmp_path)
+    with stream.BucketServer(timeout_s=5) as server:
+        server.add(bucket.index, bucket.path)
+        client = stream.BucketClient(server.address(5.0))
+        calls = []
+        with pytest.raises(
+            stream.StreamError, match=f"announced {len(data)} bytes .* needs {len(data) - 64}"
+        ):
+            client.fetch(bucket.index, len(data) - 64, _alloc(calls))
+        assert calls == []  # nothing was allocated for the mismatching bucket
+        client.close()
+    # The worker derives the expected size from the tensor list, which must be staging's own layout.
+    good = bucket.entries
+    assert wire.bucket_extent(good) == len(data)
+    e = good[1]
+    for bad, pattern in [
+        (wire.TensorEntry(e.name, e.dtype, e.shape, e.offset + 64, e.nbytes), "bad byte range"),
+        (wire.TensorEntry(e.name, e.dtype, (10**12,), e.offset, e.nbytes), "bad byte range"),
+        (wire.TensorEntry(e.name, "int64", e.shape, e.offset, e.nbytes), "unsupported wire dtype"),
+        (wire.TensorEntry(e.name, e.dtype, (-1, -28), e.offset, e.nbytes), "negative dimension"),
+    ]:
+        with pytest.raises(ValueError, match=pattern):
+            wire.bucket_extent([good[0], bad])
+
+
+def test_strangers_cannot_disturb_a_transfer(tmp_path):
+    bucket, data = _bucket(tmp_path)
+    with stream.BucketServer(timeout_s=5) as server:
+        server.add(bucket.index, bucket.path)
+        result = {}
+        waiter = threading.Thread(target=lambda: result.update(sent=server.wait_sent(1, 60.0)))
+        waiter.start()
+        threads_before = threading.active_count()
+        # Strangers: a wrong token, a request frame without the pre-auth header, and a flood of idle
+        # connections beyond the pending cap (none of them gets a thread or counts as a failure).
+        wrong = _stranger(server, stream.PREAUTH_MAGIC + b"\0" * stream.TOKEN_BYTES)
+        framed = _stranger(server, stream.MAGIC + (1 << 40).to_bytes(8, "big"))
+        idle = [_stranger(server, b"") for _ in range(stream.MAX_PENDING + 8)]
+        assert threading.active_count() <= threads_before + 1
+        for s in (wrong, framed):
+            assert _dropped(s)
+        assert waiter.is_alive()  # the trainer's wait did not end early
+        client = stream.BucketClient(server.address(5.0))  # the worker still gets through
+        buf, _ = client.fetch(bucket.index, len(data), _alloc())
+        assert buf.tobytes() == data
+        waiter.join(30)
+        assert result == {"sent": True}  # not ended early, and the transfer counted
+        assert server.refused >= 2 + 8
+        client.close()
+        for s in [wrong, framed, *idle]:
+            s.close()
+
+
+def test_stream_caps_authenticated_connections(tmp_path):
+    bucket, data = _bucket(tmp_path)
+    with stream.BucketServer(timeout_s=5, max_connections=1) as server:
+        server.add(bucket.index, bucket.path)
+        first = stream.BucketClient(server.address(5.0))
+        first.fetch(bucket.index, len(data), _alloc())  # holds the only slot while connected
+        second = stream.BucketClient(server.address(5.0))
+        with pytest.raises(OSError):
+            second.fetch(bucket.index, len(data), _alloc())
+        second.close()
+        first.close()
+        _wait_until(lambda: server._active == 0, "the first connection's slot was not freed")
+        third = stream.BucketClient(server.address(5.0))
+        assert third.fetch(bucket.index, len(data), _alloc())[0].tobytes() == data
+        third.close()
 
 
 def test_stream_dead_or_stalled_peer_gives_clear_errors(tmp_path):
@@ -57,18 +161,20 @@ def test_stream_dead_or_stalled_peer_gives_clear_errors(tmp_path):
         server.fault = ("close", 1000)
         client = stream.BucketClient(server.address(5.0))
         with pytest.raises(stream.StreamError, match=f"closed by the peer after 1000 of {len(data)} bytes"):
-            client.fetch(bucket.index, lambda k: np.empty(k, np.uint8))
+            client.fetch(bucket.index, len(data), _alloc())
         client.close()
         server.fault = ("stall", 1000)
         client = stream.BucketClient(server.address(0.5))
         pattern = r"no data from the trainer for 0\.5 s while receiving bucket 0 "
         with pytest.raises(TimeoutError, match=pattern):
-            client.fetch(bucket.index, lambda k: np.empty(k, np.uint8))
+            client.fetch(bucket.index, len(data), _alloc())
         client.close()
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(stream.StreamError, match=f"cannot connect to the trainer at 127.0.0.1:{port}"):
+        stream.BucketClient({"host": "127.0.0.1", "port": port, "token": "ab" * 32, "timeout_s": 2.0})
+    with pytest.raises(ValueError, match="bad tcp address"):
         stream.BucketClient({"host": "127.0.0.1", "port": port, "token": "x", "timeout_s": 2.0})
 
 

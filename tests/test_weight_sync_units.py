@@ -1,6 +1,9 @@
 """Host staging, the wire format, the server command line and the policy gate (no vLLM server)."""
 
 import os
+import stat
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -9,8 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from rljax.rollout import auth
 from rljax.rollout.server import ServerOptions, server_command, server_env
-from rljax.weight_sync import stage_buckets, wire
+from rljax.weight_sync import stage_buckets, staging, wire
 from rljax.weight_sync.canary import make_canary
 from rljax.weight_sync.gate import PolicyGate
 
@@ -75,6 +79,7 @@ def test_server_command_and_env():
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[-1] == "--foo"
     assert cmd[cmd.index("--block-size") + 1] == "32"  # vLLM's CPU default (128) would lengthen the canary
     assert "--block-size" not in server_command("/m", "127.0.0.1", 1, ServerOptions(block_size=None))
+    assert cmd[cmd.index("--middleware") + 1] == auth.MIDDLEWARE  # every route but /health needs the token
     env = server_env(opts)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "XLA_FLAGS" not in env
@@ -104,22 +109,109 @@ def test_gate_sync_waits_for_in_flight_generation():
             pass
 
 
-def test_sweep_removes_buckets_of_dead_trainers_only(tmp_path):
-    import subprocess
-    import sys
+def _hold_lock(path):
+    """A live process (not this one) holding the flock on `path`; stop it with .kill()."""
+    code = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+    code += "print('held', flush=True); sys.stdin.read()"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdout.readline() == b"held\n"
+    return proc
 
-    from rljax.weight_sync.staging import sweep_stale_buckets
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
-    dead_pid = int(dead.stdout)  # exited: its pid is free (reuse within this test is vanishingly unlikely)
-    (tmp_path / f"rljax-ws-{dead_pid}-abcd1234-00000").write_bytes(b"x" * 64)
-    live = tmp_path / f"rljax-ws-{os.getpid()}-abcd1234-00000"
-    live.write_bytes(b"y")
-    other = tmp_path / "rljax-ws-notapid-00000"
-    other.write_bytes(b"z")
-    removed = sweep_stale_buckets(tmp_path)
-    assert removed == [str(tmp_path / f"rljax-ws-{dead_pid}-abcd1234-00000")]
-    assert live.exists() and other.exists()
+def _stale_dir(root, name, bucket=b"x" * 64):
+    d = root / name
+    d.mkdir(mode=0o700)
+    (d / staging.LOCK_NAME).write_bytes(b"")
+    (d / "bucket-0-00000").write_bytes(bucket)
+    return d
+
+
+def test_sweep_removes_run_dirs_by_lock_not_pid(tmp_path):
+    mine = staging.RunDir(tmp_path)  # this trainer: held
+    try:
+        dead = _stale_dir(tmp_path, "rljax-ws-999999-dead")  # nobody holds its lock
+        # A live owner whose recorded PID means nothing here (another PID namespace, or a reused PID).
+        other = _stale_dir(tmp_path, f"rljax-ws-{os.getpid() + 1}-other")
+        holder = _hold_lock(other / staging.LOCK_NAME)
+        unrelated = tmp_path / "rljax-ws-notadir"
+        unrelated.write_bytes(b"z")
+        try:
+            assert staging.sweep_stale_run_dirs(tmp_path) == [str(dead)]
+            assert os.path.isdir(mine.path) and other.exists() and unrelated.exists()
+        finally:
+            holder.kill()
+            holder.wait()
+        assert staging.sweep_stale_run_dirs(tmp_path) == [str(other)]  # its owner is gone now
+    finally:
+        mine.close()
+    assert not os.path.exists(mine.path)
+
+
+def test_run_dir_and_buckets_are_private(tmp_path):
+    run = staging.RunDir(tmp_path)
+    try:
+        assert stat.S_IMODE(os.stat(run.path).st_mode) == 0o700
+        (bucket,) = stage_buckets(iter(_tensors().items()), bucket_bytes=1 << 20, directory=run.path)
+        assert stat.S_IMODE(os.stat(bucket.path).st_mode) == 0o600
+        fd = staging.open_bucket(bucket.path, tmp_path)  # what a vLLM worker may open
+        os.close(fd)
+    finally:
+        run.close()
+
+
+def test_sigkilled_trainer_run_dir_is_removed_by_its_reaper(tmp_path):
+    code = (
+        "import sys, numpy as np; from rljax.weight_sync import staging; r = staging.RunDir(sys.argv[1]); "
+        "b = list(staging.stage_buckets(iter([('w', np.ones(64, np.float32))]), bucket_bytes=1024, "
+        "directory=r.path)); print(b[0].path, flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    path = proc.stdout.readline().decode().strip()
+    assert os.path.exists(path)
+    proc.kill()  # SIGKILL: no cleanup code of the trainer runs
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while os.path.exists(os.path.dirname(path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(os.path.dirname(path)), "the reaper did not remove the run directory"
+
+
+def test_open_bucket_confines_worker_paths_to_private_run_dirs(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    run = staging.RunDir(root)
+    try:
+        (bucket,) = stage_buckets(iter(_tensors().items()), bucket_bytes=1 << 20, directory=run.path)
+        secret = tmp_path / "secret"
+        secret.write_bytes(b"s" * 64)
+        os.symlink(secret, os.path.join(run.path, "bucket-link"))
+        os.symlink(run.path, root / "rljax-ws-link")
+        loose = root / "rljax-ws-loose"
+        loose.mkdir(mode=0o755)
+        loose.chmod(0o755)
+        (loose / "bucket").write_bytes(b"l")
+        os.mkfifo(os.path.join(run.path, "bucket-fifo"))
+        name = os.path.basename(bucket.path)
+        bad = {
+            str(secret): "not a bucket file",
+            f"{run.path}/../{os.path.basename(run.path)}/{name}": "not a bucket file",
+            str(tmp_path / "rljax-ws-x" / name): "not a bucket file",  # another root
+            os.path.join(run.path, staging.LOCK_NAME): "not a bucket file",
+            os.path.join(run.path, "bucket-link"): "Too many levels of symbolic links",
+            str(root / "rljax-ws-link" / name): "Not a directory|Too many levels",
+            str(loose / "bucket"): "not private",
+            os.path.join(run.path, "bucket-fifo"): "not a regular file",
+        }
+        for path, pattern in bad.items():
+            with pytest.raises((ValueError, OSError), match=pattern):
+                os.close(staging.open_bucket(path, root))
+        os.close(staging.open_bucket(bucket.path, root))
+    finally:
+        run.close()
 
 
 def test_canary_prompt_spans_two_full_kv_blocks():

@@ -24,6 +24,7 @@ from rljax.loop.distributed import host_params, is_leader, to_host
 from rljax.loop.recovery import FaultPlan, call_with_recovery, kill_halfway, kill_when_running
 from rljax.loop.trajectory import Trajectory, build_loss_inputs
 from rljax.rollout import ClientOptions, ServerOptions, VLLMEngine
+from rljax.rollout.auth import read_token_file
 from rljax.weight_sync import SyncOptions
 
 RECOVERY_METRICS = (
@@ -215,7 +216,10 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
         tcp_timeout_s=ws.tcp_timeout_s,
     )
     if vc.urls:
-        engine = VLLMEngine.connect(list(vc.urls), cfg.model.path, client_options=client, sync_options=sync)
+        token = read_token_file(vc.token_file) if vc.token_file else None  # servers started elsewhere
+        engine = VLLMEngine.connect(
+            list(vc.urls), cfg.model.path, client_options=client, sync_options=sync, token=token
+        )
     else:
         server = ServerOptions(
             dtype=cfg.model.param_dtype,
@@ -226,6 +230,7 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
             seed=cfg.trainer.seed,
             startup_timeout_s=vc.startup_timeout_s,
             extra_args=tuple(vc.extra_args),
+            allow_remote=vc.allow_remote,
         )
         engine = VLLMEngine.launch(
             cfg.model.path,

@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import requests
 
+from rljax.rollout.auth import bearer_headers
 from rljax.rollout.client import RolloutError
 from rljax.rollout.server import ServerError
 from rljax.weight_sync.syncer import WeightSyncError
@@ -137,7 +138,8 @@ def kill_when_running(servers, done: threading.Event) -> dict:
     def run() -> None:
         while not done.is_set():
             try:
-                text = requests.get(servers[0].url + "/metrics", timeout=2.0).text
+                headers = bearer_headers(servers[0].token)
+                text = requests.get(servers[0].url + "/metrics", headers=headers, timeout=2.0).text
             except requests.RequestException:
                 text = ""
             pattern = r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+]+)$"

@@ -7,6 +7,7 @@ Every direction goes through the one table in `rljax.models.params` (`ParamEntry
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,6 +91,15 @@ def _in_host_memory(x: Any) -> bool:
         return False
 
 
+def _shard_name(index: Path, name: str) -> str:
+    """A shard file name from `index`'s weight_map, normalised; ValueError if it is absolute or leaves the
+    checkpoint directory (`..`), so an index cannot make the loader open files elsewhere."""
+    norm = os.path.normpath(str(name))
+    if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep) or norm == ".":
+        raise ValueError(f"{index}: weight_map names {name!r}, a file outside the checkpoint directory")
+    return norm
+
+
 class _TensorSource:
     """Name -> safetensors slice over one or more files (memory-mapped; reads only what is asked)."""
 
@@ -97,7 +107,7 @@ class _TensorSource:
         index = path / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            files = sorted({_shard_name(index, f) for f in weight_map.values()})
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:

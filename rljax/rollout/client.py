@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import aiohttp
 
+from rljax.rollout.auth import bearer_headers
 from rljax.weight_sync.gate import PolicyGate
 
 
@@ -120,10 +121,12 @@ class RolloutClient:
         *,
         gate: PolicyGate | None = None,
         options: ClientOptions = ClientOptions(),
+        token: str | None = None,
     ):
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
         self.urls, self.model, self.options = list(urls), model, options
+        self._headers = bearer_headers(token)  # the servers' bearer token (rljax.rollout.auth)
         self.gate = gate or PolicyGate()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="rljax-rollout")
@@ -182,7 +185,7 @@ class RolloutClient:
         o = self.options
         sem = asyncio.Semaphore(o.max_in_flight)
         timeout = aiohttp.ClientTimeout(total=o.request_timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout, headers=self._headers) as session:
             tasks = [
                 asyncio.ensure_future(self._one(session, sem, i, prompts[i], b, n, version))
                 for i, b in enumerate(bodies)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
+from rljax.rollout.auth import bearer_headers, new_token
 from rljax.rollout.client import ClientOptions, Completion, RolloutClient
 from rljax.rollout.server import ServerOptions, VLLMServer
 from rljax.weight_sync.canary import DEFAULT_BLOCK_SIZE, TrainerLogprobs, make_canary, server_block_size
@@ -29,17 +30,17 @@ from rljax.weight_sync.syncer import SyncOptions, WeightSyncer
 from rljax.weight_sync.wire import read_checkpoint_spec
 
 
-def served_model_name(url: str, timeout_s: float = 10.0) -> str:
+def served_model_name(url: str, timeout_s: float = 10.0, headers: dict | None = None) -> str:
     """The id of the (single) model a server serves, from `/v1/models`."""
-    r = requests.get(url + "/v1/models", timeout=timeout_s)
+    r = requests.get(url + "/v1/models", headers=headers, timeout=timeout_s)
     r.raise_for_status()
     return r.json()["data"][0]["id"]
 
 
-def canary_block_size(urls: Sequence[str]) -> int:
+def canary_block_size(urls: Sequence[str], headers: dict | None = None) -> int:
     """The largest KV block size among the servers (what the canary's prompt must span), vLLM's largest
     default where a server does not report it."""
-    return max(server_block_size(u) or DEFAULT_BLOCK_SIZE for u in urls)
+    return max(server_block_size(u, headers=headers) or DEFAULT_BLOCK_SIZE for u in urls)
 
 
 class VLLMEngine:
@@ -54,19 +55,29 @@ class VLLMEngine:
         client_options: ClientOptions = ClientOptions(),
         sync_options: SyncOptions = SyncOptions(),
         version: int = 0,
+        token: str | None = None,
     ):
         self.urls, self.model_path, self.servers = list(urls), str(model_path), list(servers)
+        # One bearer token for all servers: given, or the one the owned servers were started with.
+        tokens = {s.token for s in self.servers}
+        if token is None and len(tokens) > 1:
+            raise ValueError("VLLMEngine: the owned servers have different tokens; pass one token to all")
+        self.token = token if token is not None else next(iter(tokens), None)
+        headers = bearer_headers(self.token)
         self.gate = PolicyGate(version)
-        model = served_model_name(self.urls[0])
+        model = served_model_name(self.urls[0], headers=headers)
         vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
-        self.client = RolloutClient(self.urls, model, gate=self.gate, options=client_options)
+        self.client = RolloutClient(
+            self.urls, model, gate=self.gate, options=client_options, token=self.token
+        )
         self.syncer = WeightSyncer(
             self.urls,
             model,
             spec=read_checkpoint_spec(model_path),
-            canary=make_canary(vocab, block_size=canary_block_size(self.urls)),
+            canary=make_canary(vocab, block_size=canary_block_size(self.urls, headers)),
             gate=self.gate,
             options=sync_options,
+            headers=headers,
         )
 
     @classmethod
@@ -80,19 +91,20 @@ class VLLMEngine:
         server_options: ServerOptions = ServerOptions(),
         **kwargs,
     ) -> VLLMEngine:
-        """Starts `replicas` servers (logs in `workdir/replica_<i>/`) and connects to them; their
-        weight-transfer backend is named after `sync_options.transport` (one engine class takes both)."""
+        """Starts `replicas` servers (logs in `workdir/replica_<i>/`, one fresh bearer token for all) and
+        connects to them; their weight-transfer backend is named after `sync_options.transport` (one engine
+        class takes both) and their workers map buckets only from `sync_options.staging_dir`."""
         sync = kwargs.get("sync_options")
         if sync is not None:
-            server_options = dataclasses.replace(server_options, weight_transfer_backend=sync.transport)
-        servers = []
+            server_options = dataclasses.replace(
+                server_options, weight_transfer_backend=sync.transport, staging_dir=sync.staging_dir
+            )
+        servers, token = [], new_token()
         try:
             for i in range(replicas):
-                servers.append(
-                    VLLMServer(
-                        model_path, Path(workdir) / f"replica_{i}", host=host, options=server_options
-                    ).start()
-                )
+                path = Path(workdir) / f"replica_{i}"
+                servers.append(VLLMServer(model_path, path, host=host, options=server_options, token=token))
+                servers[-1].start()
             return cls([s.url for s in servers], model_path, servers=servers, **kwargs)
         except BaseException:
             for s in servers:
@@ -134,5 +146,6 @@ class VLLMEngine:
 
     def close(self) -> None:
         self.client.close()
+        self.syncer.close()
         for s in self.servers:
             s.stop()

@@ -3,16 +3,18 @@
 `VLLMServer(model_path, workdir).start()` runs `python -m vllm.entrypoints.openai.api_server` as a child
 process in its own process group, with:
 
-- loopback by default: the RL weight-update endpoints (`/pause`, `/update_weights`, ...) exist only with
-  `VLLM_SERVER_DEV_MODE=1` and are not covered by `--api-key`, so the server must not be reachable
-  from untrusted networks;
+- a per-run bearer token on every route but `GET /health` (`rljax.rollout.auth`: vLLM's `--api-key`
+  does not cover the RL routes that `VLLM_SERVER_DEV_MODE=1` adds); the token is written to
+  `<workdir>/server_token` (0600) and handed over by path in the environment, never on the command line;
+- loopback only, unless `ServerOptions.allow_remote` (a non-loopback host is refused otherwise);
 - `--weight-transfer-config {"backend": "shm"}`: rljax's host-staged backend, registered inside vLLM by
   the `vllm.general_plugins` entry point `rljax.weight_sync.vllm_plugin:register`;
 - `--logprobs-mode processed_logprobs`: the log-prob convention of `rljax.rollout.client`;
 - a KV block of 32 tokens (vLLM's CPU default is 128; the canary's prompt spans 2 blocks);
 - float32 weights, eager mode, its log in `<workdir>/vllm_server.log` (appended across restarts).
 
-`stop()` sends SIGTERM to the group and SIGKILL after a grace period; `restart()` keeps host and port.
+`stop()` sends SIGTERM to the group and SIGKILL after a grace period; `restart()` keeps host, port and token.
+The child gets SIGTERM when the process that started it dies, even by SIGKILL (`_die_with_parent`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ import time
 from pathlib import Path
 
 import requests
+
+from rljax.config import is_loopback_host
+from rljax.rollout import auth
+from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, STAGING_DIR_ENV
 
 
 class ServerError(RuntimeError):
@@ -52,6 +58,8 @@ class ServerOptions:
     stop_grace_s: float = 10.0
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
+    allow_remote: bool = False  # True: a non-loopback host is allowed (the token still guards every route)
+    staging_dir: str = DEFAULT_STAGING_DIR  # shm transport: the only directory the workers map buckets from
 
 
 def _die_with_parent() -> None:
@@ -103,6 +111,8 @@ def server_command(model_path: str, host: str, port: int, options: ServerOptions
         "--weight-transfer-config",
         json.dumps({"backend": options.weight_transfer_backend}),
         "--disable-uvicorn-access-log",
+        "--middleware",
+        auth.MIDDLEWARE,
     ]
     if options.block_size is not None:
         cmd += ["--block-size", str(options.block_size)]
@@ -134,13 +144,21 @@ class VLLMServer:
         host: str = "127.0.0.1",
         port: int = 0,
         options: ServerOptions = ServerOptions(),
+        token: str | None = None,
     ):
+        if not (is_loopback_host(host) or options.allow_remote):
+            raise ServerError(
+                f"refusing to bind the vLLM server to {host!r}: its weight-update routes would be reachable "
+                "from other hosts; use loopback or set allow_remote (rollout.vllm.allow_remote=true)"
+            )
+        self.token = token or auth.new_token()  # every route but /health needs it (rljax.rollout.auth)
         self.model_path = str(model_path)
         self.workdir = Path(workdir)
         self.host = host
         self.port = port or free_port(host)
         self.options = options
         self.log_path = self.workdir / "vllm_server.log"
+        self.token_file = self.workdir / "server_token"
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -166,14 +184,19 @@ class VLLMServer:
         if self.alive():
             raise ServerError(f"server on {self.url} is already running (pid {self.pid})")
         self.workdir.mkdir(parents=True, exist_ok=True)
+        auth.write_token_file(self.token_file, self.token)
         cmd = server_command(self.model_path, self.host, self.port, self.options)
+        env = server_env(self.options) | {
+            auth.TOKEN_FILE_ENV: str(self.token_file.resolve()),
+            STAGING_DIR_ENV: self.options.staging_dir,
+        }
         with open(self.log_path, "ab") as log:
-            log.write(f"\n=== rljax: starting {' '.join(cmd)}\n".encode())
+            log.write(f"\n=== rljax: starting {' '.join(auth.redact_argv(cmd))}\n".encode())
             self._proc = subprocess.Popen(
                 cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_env(self.options),
+                env=env,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )

@@ -72,11 +72,11 @@ def make_canary(
 _BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.M)
 
 
-def server_block_size(url: str, timeout_s: float = 10.0) -> int | None:
+def server_block_size(url: str, timeout_s: float = 10.0, headers: dict | None = None) -> int | None:
     """The KV-cache block size a vLLM server runs with (its `vllm:cache_config_info` Prometheus gauge),
     or None if `/metrics` does not say (other servers, metrics off)."""
     try:
-        r = requests.get(url + "/metrics", timeout=timeout_s)
+        r = requests.get(url + "/metrics", headers=headers, timeout=timeout_s)
         r.raise_for_status()
     except requests.RequestException:
         return None
@@ -84,9 +84,9 @@ def server_block_size(url: str, timeout_s: float = 10.0) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _post(url: str, body: dict, timeout_s: float) -> dict:
+def _post(url: str, body: dict, timeout_s: float, headers: dict | None) -> dict:
     try:
-        r = requests.post(url + "/v1/completions", json=body, timeout=timeout_s)
+        r = requests.post(url + "/v1/completions", json=body, headers=headers, timeout=timeout_s)
     except requests.RequestException as e:
         raise CanaryError(f"canary request to {url} failed: {e}") from e
     if r.status_code != 200:
@@ -95,7 +95,12 @@ def _post(url: str, body: dict, timeout_s: float) -> dict:
 
 
 def server_prompt_logprobs(
-    url: str, model: str, prompt_ids: list[int], completion_ids: list[int], timeout_s: float = 30.0
+    url: str,
+    model: str,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    timeout_s: float = 30.0,
+    headers: dict | None = None,
 ) -> np.ndarray:
     """The server's log-prob of each completion token after `prompt_ids`: f32[len(completion_ids)]."""
     body = {
@@ -105,7 +110,7 @@ def server_prompt_logprobs(
         "temperature": 0.0,
         "prompt_logprobs": 0,
     }
-    entries = _post(url, body, timeout_s)["prompt_logprobs"]
+    entries = _post(url, body, timeout_s, headers)["prompt_logprobs"]
     tail = entries[len(prompt_ids) :]
     out = []
     for tok, entry in zip(completion_ids, tail, strict=True):
@@ -116,7 +121,12 @@ def server_prompt_logprobs(
 
 
 def server_greedy(
-    url: str, model: str, prompt_ids: list[int], max_tokens: int, timeout_s: float = 30.0
+    url: str,
+    model: str,
+    prompt_ids: list[int],
+    max_tokens: int,
+    timeout_s: float = 30.0,
+    headers: dict | None = None,
 ) -> tuple[list[int], np.ndarray]:
     """Greedy continuation `(token_ids, logprobs f32[T])` of `prompt_ids` (EOS ignored)."""
     body = {
@@ -128,7 +138,7 @@ def server_greedy(
         "return_token_ids": True,
         "ignore_eos": True,
     }
-    choice = _post(url, body, timeout_s)
+    choice = _post(url, body, timeout_s, headers)
     return list(choice["token_ids"]), np.asarray(choice["logprobs"]["token_logprobs"], np.float32)
 
 
@@ -140,15 +150,17 @@ def check_canary(
     *,
     tolerance: float,
     timeout_s: float = 30.0,
+    headers: dict | None = None,
 ) -> tuple[float, float]:
-    """Runs both probes on one server; returns (max, mean) abs diff or raises CanaryError."""
+    """Runs both probes on one server (`headers`: its bearer token); returns (max, mean) abs diff or raises
+    CanaryError."""
     prompt = list(spec.prompt_ids)
-    greedy_ids, greedy_lp = server_greedy(url, model, prompt, 1, timeout_s)
+    greedy_ids, greedy_lp = server_greedy(url, model, prompt, 1, timeout_s, headers)
     if len(greedy_ids) != 1 or greedy_lp.shape != (1,):
         raise CanaryError(f"canary greedy probe on {url}: expected 1 token, got {greedy_ids}")
     completion = greedy_ids + list(spec.completion_ids[1:])
     with ThreadPoolExecutor(1, thread_name_prefix="rljax-canary") as pool:
-        fixed = pool.submit(server_prompt_logprobs, url, model, prompt, completion, timeout_s)
+        fixed = pool.submit(server_prompt_logprobs, url, model, prompt, completion, timeout_s, headers)
         trainer_lp = np.asarray(trainer_logprobs(prompt, completion), np.float32)
         fixed_lp = fixed.result()
     server, trainer = [greedy_lp, fixed_lp], [trainer_lp[:1], trainer_lp]

@@ -11,7 +11,13 @@ A tensor larger than `bucket_bytes` gets a bucket of its own.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
 import uuid
 import zlib
 from collections.abc import Iterable, Iterator
@@ -22,38 +28,124 @@ import numpy as np
 from rljax.weight_sync import wire
 
 DEFAULT_STAGING_DIR = "/dev/shm"
-PREFIX = "rljax-ws-"  # bucket files are named rljax-ws-<pid>-<sync token>-<index>
+STAGING_DIR_ENV = "RLJAX_STAGING_DIR"  # set on vLLM servers: the root their workers may map buckets from
+RUN_PREFIX = "rljax-ws-"  # per-run directories: <root>/rljax-ws-<pid>-<random>/ (the pid only names it)
+_INIT_PREFIX = "rljax-wsinit-"  # a run directory before its lock is held (never swept)
+LOCK_NAME = ".lock"
+# Runs in a child of the trainer (`python -I -S -c`): waits for the trainer to exit (stdin reaches EOF, even
+# after a SIGKILL), then removes the run directory once its lock is free (a live trainer still holds it).
+_REAPER = """
+import fcntl, os, shutil, sys
+sys.stdin.buffer.read()
+try:
+    fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_RDWR | os.O_NOFOLLOW)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+except OSError:
+    sys.exit(0)
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
 
 
-def sweep_stale_buckets(directory: str | os.PathLike = DEFAULT_STAGING_DIR) -> list[str]:
-    """Removes bucket files left by trainer processes that no longer exist (a SIGKILL skips every cleanup,
-    and /dev/shm is RAM); returns the removed paths. Files of live processes are never touched."""
+class RunDir:
+    """A private directory (0700) for one trainer's bucket files under `root`, removed on `close()`.
+
+    Liveness is a lock, not a PID (PIDs are reused and differ across PID namespaces): the trainer holds an
+    exclusive `flock` on `<dir>/.lock` while it lives, and `sweep_stale_run_dirs` removes only directories
+    whose lock it can take. A SIGKILL skips every cleanup, so a small reaper process (started here) removes
+    the directory as soon as the trainer is gone; a later trainer's sweep covers a reaper that died too.
+    """
+
+    def __init__(self, root: str | os.PathLike = DEFAULT_STAGING_DIR):
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=_INIT_PREFIX, dir=root)  # mode 0700
+        self._lock_fd = os.open(
+            os.path.join(tmp, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600
+        )
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.path = os.path.join(os.fspath(root), f"{RUN_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        os.rename(tmp, self.path)  # visible to sweepers only once locked
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _REAPER, self.path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # outlives a kill of the trainer's process group
+        )
+
+    def close(self) -> None:
+        """Removes the directory and everything in it, releases the lock, ends the reaper."""
+        if self._lock_fd is None:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+        self._reaper.stdin.close()  # EOF: the reaper finds nothing left and exits
+        try:
+            self._reaper.wait(5)
+        except subprocess.TimeoutExpired:
+            self._reaper.kill()
+
+
+def sweep_stale_run_dirs(root: str | os.PathLike = DEFAULT_STAGING_DIR) -> list[str]:
+    """Removes run directories under `root` whose owner is gone (their lock is free); returns their paths.
+    A live trainer's directory is never touched, whatever PID namespace it runs in."""
     removed = []
     try:
-        names = os.listdir(directory)
+        names = sorted(os.listdir(root))
     except FileNotFoundError:
         return removed
     for name in names:
-        pid = name[len(PREFIX) :].split("-", 1)[0]
-        if not (name.startswith(PREFIX) and pid.isdigit()) or _alive(int(pid)):
+        if not name.startswith(RUN_PREFIX):
             continue
-        path = os.path.join(directory, name)
+        path = os.path.join(os.fspath(root), name)
         try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError:  # another sweeper got it first, or not ours to remove
-            pass
+            fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:  # not a run directory of ours (or no access)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its trainer is alive
+            os.close(fd)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)
+        removed.append(path)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def open_bucket(path: str, root: str | os.PathLike) -> int:
+    """An O_RDONLY descriptor of the bucket file `path`, which must be `<root>/rljax-ws-*/<file>`: no `..`,
+    no symlink in the run directory or the file (O_NOFOLLOW), a regular file in a directory owned by this
+    user with no group/other access. The worker-side confinement of the shm transport."""
+    root = os.fspath(root)
+    run, name = os.path.split(str(path))
+    parent, run_name = os.path.split(run)
+    if (
+        os.path.normpath(str(path)) != str(path)
+        or os.path.normpath(parent) != os.path.normpath(root)
+        or not run_name.startswith(RUN_PREFIX)
+        or not name
+        or name.startswith(".")
+    ):
+        raise ValueError(
+            f"weight sync: bucket path {path!r} is not a bucket file in a run directory of {root}"
+        )
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
+        run_fd = os.open(run_name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+    finally:
+        os.close(root_fd)
+    try:
+        st = os.fstat(run_fd)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ValueError(f"weight sync: run directory {run} is not private to this user")
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=run_fd)  # a FIFO: no hang
+    finally:
+        os.close(run_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"weight sync: bucket path {path!r} is not a regular file")
+    return fd
 
 
 @dataclasses.dataclass
@@ -86,7 +178,8 @@ def wire_dtype(array: np.ndarray) -> str:
 class _BucketFile:
     def __init__(self, path: str, index: int):
         self.path, self.index, self.entries, self.size = path, index, [], 0
-        self._f = open(path, "wb", buffering=0)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        self._f = open(fd, "wb", buffering=0)
 
     def append(self, name: str, array: np.ndarray, checksum: bool) -> None:
         array = np.ascontiguousarray(array)
@@ -124,7 +217,7 @@ def stage_buckets(
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    prefix = prefix or f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    prefix = prefix or f"bucket-{uuid.uuid4().hex[:8]}"
     seen: set[str] = set()
     current: _BucketFile | None = None
     index = 0

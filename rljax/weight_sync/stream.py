@@ -1,35 +1,53 @@
 """The "tcp" transport: bucket bytes streamed from the trainer to vLLM's workers over a socket.
 
 For a trainer and a server on different hosts. The trainer stages buckets exactly as for "shm" (files in
-its own `staging_dir`) and serves them with a `BucketServer` listening on `host:port`; each
+its own run directory) and serves them with a `BucketServer` listening on `host:port`; each
 `/update_weights` call tells the worker where to connect (`{"host", "port", "token", "timeout_s"}`),
-and the worker asks for its buckets one by one over one connection.
+and the worker asks for its buckets one by one.
 
-Framing (both directions; JSON headers, raw bytes, never pickle)::
+Connection: the worker first sends a fixed 36-byte pre-auth header, `b"RLWA"` + the 32-byte per-sync token
+(`token` is its hex form), compared with `hmac.compare_digest` before the server parses anything. Until
+then a connection costs no thread: one selector thread reads every pending header, drops a connection
+that sends a wrong one or is slower than `PREAUTH_TIMEOUT_S`, and drops the oldest pending connection
+when more than `MAX_PENDING` wait (a legitimate worker sends its header at once). At most
+`max_connections` authenticated connections are served at once. A stranger's connection never counts as
+a failed transfer, so it cannot end the trainer's wait early or fail a sync.
+
+Framing after that (both directions; JSON headers, raw bytes, never pickle)::
 
     b"RLWS" | u64 big-endian header length | JSON header | payload (header["nbytes"] bytes, may be 0)
 
-- request (worker -> trainer): `{"token": str, "bucket": int}`, no payload;
+- request (worker -> trainer): `{"bucket": int}`, no payload (header at most `MAX_REQUEST_HEADER` bytes);
 - reply (trainer -> worker): `{"bucket": int, "nbytes": int}` + the bucket file's bytes, or
-  `{"error": str}` (an unknown token or bucket).
+  `{"error": str}` (an unknown bucket). The worker checks `nbytes` against the size its tensor list
+  implies before it allocates the buffer.
 
-`token` is a random per-sync secret (the port is reachable by anyone on the network; the endpoints
-themselves should only be reachable on a private one). Every socket has a timeout: a peer that dies or
-stalls gives a clear `ConnectionError`/`TimeoutError` naming the bucket and the byte count, never a hang.
+Every socket has a timeout: a peer that dies or stalls gives a clear `ConnectionError`/`TimeoutError`
+naming the bucket and the byte count, never a hang.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
+import time
 
 MAGIC = b"RLWS"
 _LEN = struct.Struct(">Q")
-MAX_HEADER = 1 << 20
+MAX_HEADER = 1 << 16
+MAX_REQUEST_HEADER = 4096
+PREAUTH_MAGIC = b"RLWA"
+TOKEN_BYTES = 32
+PREAUTH_LEN = len(PREAUTH_MAGIC) + TOKEN_BYTES
+PREAUTH_TIMEOUT_S = 5.0  # a worker sends its pre-auth header right after connecting
+MAX_PENDING = 64  # connections still to authenticate (beyond it the oldest is dropped)
+MAX_CONNECTIONS = 64  # authenticated connections served at once (one per worker fetch)
 SOCKET_BUFFER = 4 << 20  # bytes; the kernel caps it at net.core.{r,w}mem_max (3-5x faster than default)
 RECV_CHUNK = 1 << 24
 
@@ -65,13 +83,13 @@ def recv_exact(sock: socket.socket, view: memoryview, what: str) -> None:
         got += k
 
 
-def recv_header(sock: socket.socket, what: str) -> dict:
+def recv_header(sock: socket.socket, what: str, max_size: int = MAX_HEADER) -> dict:
     head = bytearray(len(MAGIC) + _LEN.size)
     recv_exact(sock, memoryview(head), f"the frame header of {what}")
     if bytes(head[:4]) != MAGIC:
         raise StreamError(f"weight sync (tcp): bad frame magic {bytes(head[:4])!r} in {what}")
     (size,) = _LEN.unpack(head[4:])
-    if size > MAX_HEADER:
+    if size > max_size:
         raise StreamError(f"weight sync (tcp): frame header of {what} too large ({size} bytes)")
     data = bytearray(size)
     recv_exact(sock, memoryview(data), f"the frame header of {what}")
@@ -85,24 +103,37 @@ def recv_header(sock: socket.socket, what: str) -> dict:
 
 
 class BucketServer:
-    """Serves staged bucket files (by index) to workers that present `token`; one thread per connection.
+    """Serves staged bucket files (by index) to workers that present `token` (see the module docstring).
 
     `fault` (tests only): `("close", n)` closes each connection after `n` payload bytes, as a trainer
     that dies mid-stream would; `("stall", n)` stops sending after `n` bytes but keeps the socket open.
+    `refused` counts connections dropped before authenticating.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 30.0):
-        self.token = secrets.token_hex(16)
-        self.timeout_s = timeout_s
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        timeout_s: float = 30.0,
+        max_connections: int = MAX_CONNECTIONS,
+    ):
+        self.token = secrets.token_hex(TOKEN_BYTES)
+        self._key = bytes.fromhex(self.token)
+        self.timeout_s, self.max_connections = timeout_s, max_connections
         self.fault: tuple[str, int] | None = None
+        self.refused = 0
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
         self._sent = threading.Condition()
-        self._sent_count, self._failed = 0, False
+        self._sent_count, self._failed, self._active = 0, False, 0
         self._sock = socket.create_server((host, port))
         _tune(self._sock)  # inherited by accepted connections
-        self._sock.settimeout(0.2)
+        self._sock.setblocking(False)
         self.host, self.port = host, int(self._sock.getsockname()[1])
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._sock, selectors.EVENT_READ)
+        self._pending: dict[socket.socket, tuple[float, bytearray]] = {}  # oldest first
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._accept = threading.Thread(target=self._serve, daemon=True, name="rljax-ws-tcp")
@@ -117,8 +148,8 @@ class BucketServer:
             self._paths.pop(int(index), None)
 
     def wait_sent(self, count: int, timeout_s: float) -> bool:
-        """Blocks until `count` buckets were sent in full (all connections together), a connection
-        failed, or `timeout_s` passed; True only in the first case."""
+        """Blocks until `count` buckets were sent in full (all connections together), an authenticated
+        connection failed, or `timeout_s` passed; True only in the first case."""
         with self._sent:
             self._sent.wait_for(lambda: self._sent_count >= count or self._failed, timeout_s)
             return self._sent_count >= count
@@ -136,40 +167,95 @@ class BucketServer:
         return {"host": self.host, "port": self.port, "token": self.token, "timeout_s": float(timeout_s)}
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
+        try:
+            while not self._stop.is_set():
+                for key, _ in self._sel.select(0.2):
+                    if key.fileobj is self._sock:
+                        self._accept_ready()
+                    else:
+                        self._preauth_ready(key.fileobj)
+                now = time.monotonic()
+                for conn in [c for c, (deadline, _) in self._pending.items() if deadline < now]:
+                    self._drop(conn)
+        finally:
+            for conn in list(self._pending):
+                self._drop(conn)
+            self._sel.close()
+
+    def _accept_ready(self) -> None:
+        while True:
             try:
                 conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+            except (BlockingIOError, InterruptedError):
                 return
-            t = threading.Thread(target=self._handle, args=(conn,), daemon=True)
-            t.start()
-            self._threads.append(t)
+            except OSError:  # closed
+                return
+            conn.setblocking(False)
+            if len(self._pending) >= MAX_PENDING:
+                self._drop(next(iter(self._pending)))
+            self._pending[conn] = (time.monotonic() + min(PREAUTH_TIMEOUT_S, self.timeout_s), bytearray())
+            self._sel.register(conn, selectors.EVENT_READ)
+
+    def _drop(self, conn: socket.socket) -> None:
+        """Closes a connection that did not authenticate (not a failed transfer)."""
+        self._pending.pop(conn, None)
+        self._sel.unregister(conn)
+        conn.close()
+        self.refused += 1
+
+    def _preauth_ready(self, conn: socket.socket) -> None:
+        got = self._pending[conn][1]
+        try:
+            data = conn.recv(PREAUTH_LEN - len(got))
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            return self._drop(conn)
+        got += data
+        if len(got) < PREAUTH_LEN:
+            return
+        if not (got[:4] == PREAUTH_MAGIC and hmac.compare_digest(bytes(got[4:]), self._key)):
+            return self._drop(conn)
+        with self._lock:
+            if self._active >= self.max_connections:
+                return self._drop(conn)
+            self._active += 1
+        self._pending.pop(conn)
+        self._sel.unregister(conn)
+        conn.setblocking(True)
+        t = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+        t.start()
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
 
     def _handle(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(self.timeout_s)
-            _tune(conn)
-            try:
-                while not self._stop.is_set():
-                    try:
-                        req = recv_header(conn, "a bucket request")
-                    except StreamError:
-                        return  # the worker closed the connection: done
-                    if req.get("token") != self.token:
-                        send_frame(conn, {"error": "bad token"})
-                        return self._note(False)
-                    with self._lock:
-                        path = self._paths.get(int(req.get("bucket", -1)))
-                    if path is None:
-                        send_frame(conn, {"error": f"unknown bucket {req.get('bucket')!r}"})
-                        return self._note(False)
-                    if not self._send_file(conn, int(req["bucket"]), path):
-                        return self._note(False)
-                    self._note(True)
-            except OSError:
-                return self._note(False)  # the worker died or timed out; it reports its own error
+        try:
+            with conn:
+                conn.settimeout(self.timeout_s)
+                self._serve_requests(conn)
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    def _serve_requests(self, conn: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    req = recv_header(conn, "a bucket request", MAX_REQUEST_HEADER)
+                except StreamError:
+                    return  # the worker closed the connection: done
+                index = req.get("bucket")
+                with self._lock:
+                    path = self._paths.get(index) if type(index) is int else None
+                if path is None:
+                    send_frame(conn, {"error": f"unknown bucket {str(index)[:40]}"})
+                    return self._note(False)
+                if not self._send_file(conn, index, path):
+                    return self._note(False)
+                self._note(True)
+        except OSError:
+            return self._note(False)  # the worker died or timed out; it reports its own error
 
     def _send_file(self, conn: socket.socket, index: int, path: str) -> bool:
         with open(path, "rb") as f:
@@ -188,11 +274,11 @@ class BucketServer:
 
     def close(self) -> None:
         self._stop.set()
+        self._accept.join(timeout=5)  # the selector thread closes pending connections and the selector
         try:
             self._sock.close()
         except OSError:
             pass
-        self._accept.join(timeout=5)
         for t in self._threads:
             t.join(timeout=1)
 
@@ -204,14 +290,17 @@ class BucketServer:
 
 
 class BucketClient:
-    """The worker's side: one connection, `fetch(index, into)` per bucket."""
+    """The worker's side: one connection (pre-auth header first), `fetch(index, expected, allocate)` per
+    bucket."""
 
     def __init__(self, address: dict):
         try:
             self.host, self.port = str(address["host"]), int(address["port"])
-            self.token, self.timeout_s = str(address["token"]), float(address.get("timeout_s", 30.0))
+            key, self.timeout_s = bytes.fromhex(str(address["token"])), float(address.get("timeout_s", 30.0))
+            if len(key) != TOKEN_BYTES:
+                raise ValueError(f"the token must be {TOKEN_BYTES} bytes")
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"weight sync (tcp): bad tcp address {address!r}: {e}") from e
+            raise ValueError(f"weight sync (tcp): bad tcp address (host, port, token, timeout_s): {e}") from e
         try:
             addrs = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
             family, kind, proto, _, addr = addrs[0]
@@ -228,17 +317,29 @@ class BucketClient:
                 f"weight sync (tcp): cannot connect to the trainer at {self.host}:{self.port}: {e}"
             ) from e
         self._sock.settimeout(self.timeout_s)
+        self._key = key
 
-    def fetch(self, index: int, allocate) -> tuple[object, int]:
-        """Requests bucket `index`; `allocate(nbytes)` returns a writable buffer (kept by the caller).
-        Returns `(buffer, nbytes)`."""
+    def fetch(self, index: int, expected: int, allocate) -> tuple[object, int]:
+        """Requests bucket `index`, which must be `expected` bytes long (from its tensor list);
+        `allocate(nbytes)` returns a writable buffer (kept by the caller), called only once the announced
+        size matched. Returns `(buffer, nbytes)`."""
         what = f"bucket {index} from {self.host}:{self.port}"
         try:
-            send_frame(self._sock, {"token": self.token, "bucket": int(index)})
+            if self._key is not None:  # the pre-auth header, once per connection
+                self._sock.sendall(PREAUTH_MAGIC + self._key)
+                self._key = None
+            send_frame(self._sock, {"bucket": int(index)})
             header = recv_header(self._sock, what)
             if "error" in header:
-                raise StreamError(f"weight sync (tcp): the trainer refused {what}: {header['error']}")
-            nbytes = int(header["nbytes"])
+                raise StreamError(
+                    f"weight sync (tcp): the trainer refused {what}: {str(header['error'])[:200]}"
+                )
+            nbytes = header.get("nbytes")
+            if header.get("bucket") != index or type(nbytes) is not int or nbytes != expected:
+                raise StreamError(
+                    f"weight sync (tcp): the trainer announced {str(nbytes)[:40]} bytes for {what}, "
+                    f"its tensor list needs {expected}"
+                )
             buf = allocate(nbytes)
             recv_exact(self._sock, memoryview(buf).cast("B")[:nbytes], what)
             return buf, nbytes

@@ -39,7 +39,13 @@ import requests
 from rljax.weight_sync import canary as canary_lib
 from rljax.weight_sync import stream
 from rljax.weight_sync.gate import PolicyGate
-from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, Bucket, stage_buckets, sweep_stale_buckets
+from rljax.weight_sync.staging import (
+    DEFAULT_STAGING_DIR,
+    Bucket,
+    RunDir,
+    stage_buckets,
+    sweep_stale_run_dirs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +96,14 @@ class WeightSyncer:
         canary: canary_lib.CanarySpec,
         gate: PolicyGate,
         options: SyncOptions = SyncOptions(),
+        headers: dict[str, str] | None = None,
     ):
         self.urls, self.model, self.spec, self.canary = list(urls), model, spec, canary
         self.gate, self.options = gate, options
+        self.headers = dict(headers or {})  # on every request: the servers' bearer token (rljax.rollout.auth)
         self._initialized: dict[str, dict] = {}
-        sweep_stale_buckets(options.staging_dir)  # leftovers of SIGKILLed trainers would pin RAM in /dev/shm
+        sweep_stale_run_dirs(options.staging_dir)  # leftovers of SIGKILLed trainers would pin RAM in /dev/shm
+        self._run_dir: RunDir | None = None  # this trainer's private bucket directory, made at the first sync
         self.tcp_fault: tuple[str, int] | None = None  # tests only: see `stream.BucketServer.fault`
 
     def _post(
@@ -111,6 +120,7 @@ class WeightSyncer:
                 url + path,
                 json=body,
                 params=params,
+                headers=self.headers,
                 timeout=(5.0, timeout_s or self.options.control_timeout_s),
             )
         except requests.RequestException as e:
@@ -155,18 +165,28 @@ class WeightSyncer:
     def server_version(self, url: str) -> str | None:
         """The weight version a server reports (`/weight_info`)."""
         try:
-            r = requests.get(url + "/weight_info", timeout=self.options.control_timeout_s)
+            r = requests.get(
+                url + "/weight_info", headers=self.headers, timeout=self.options.control_timeout_s
+            )
             r.raise_for_status()
         except requests.RequestException as e:
             raise WeightSyncError(f"/weight_info on {url} failed: {e}") from e
         return r.json()["weight_version"]
 
+    def close(self) -> None:
+        """Removes this trainer's bucket directory (a SIGKILLed trainer's goes with its reaper)."""
+        if self._run_dir is not None:
+            self._run_dir.close()
+            self._run_dir = None
+
     def _stage(self, tensors: Iterable[tuple[str, np.ndarray]]) -> Iterator[Bucket]:
         o = self.options
+        if self._run_dir is None:
+            self._run_dir = RunDir(o.staging_dir)
         return stage_buckets(
             tensors,
             bucket_bytes=o.bucket_bytes,
-            directory=o.staging_dir,
+            directory=self._run_dir.path,
             checksums=o.checksums,
             spec=self.spec,
         )
@@ -199,6 +219,7 @@ class WeightSyncer:
                             trainer_logprobs,
                             tolerance=self.options.canary_tolerance,
                             timeout_s=self.options.control_timeout_s,
+                            headers=self.headers,
                         )
                     )
                     for u in self.urls

@@ -54,7 +54,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from rljax.weight_sync import stream, wire
+from rljax.weight_sync import staging, stream, wire
 
 logger = init_logger("vllm.rljax_shm")  # under "vllm": vLLM configures only that logger tree
 
@@ -63,8 +63,11 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 @dataclasses.dataclass
 class ShmInitInfo(WeightTransferInitInfo):
+    """What a trainer may choose per server. Checks are not among them: every bucket is checked against
+    the served checkpoint, and bucket files come only from the staging root in the server's own
+    environment (`RLJAX_STAGING_DIR`), whatever a caller sends."""
+
     repack_tied_lm_head: bool = True
-    validate: bool = True  # check names/shapes against the served checkpoint
     direct_load: bool = True  # load checkpoint-format layers straight into the served storage
 
 
@@ -157,6 +160,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def _start_prefetch(self, infos: list[ShmUpdateInfo]) -> None:
         if any(i.tcp is None for i in infos):
             raise ValueError("weight sync: prefetch is for tcp buckets only")
+        seen: set[str] = set()
+        for info in infos:  # names, shapes and sizes before any buffer is allocated
+            wire.check_entries(_entries(info), self.spec(), seen)
         self._join_prefetch()
 
         def run():
@@ -179,14 +185,14 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def _receive(self, info: ShmUpdateInfo) -> None:
         t0 = time.perf_counter()
-        entries = [wire.TensorEntry.from_wire(t) for t in info.tensors]
+        entries = _entries(info)
+        wire.check_entries(entries, self.spec(), set(self._seen))  # before any byte is mapped or received
         if info.tcp is not None:
             buf, size = self._fetch(info)
             t0 = time.perf_counter()  # the receive is counted on its own (recv_s)
         else:
             buf, size = self._map(info.path)
-        if self.options.validate:
-            wire.check_entries(entries, self.spec(), self._seen, size)
+        wire.check_entries(entries, self.spec(), self._seen, size)
         weights = [(e.name, self._tensor(buf, e, info.copy)) for e in entries]
         if buf is not None:
             if info.copy and isinstance(buf, mmap.mmap):
@@ -204,7 +210,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     @staticmethod
     def _map(path: str) -> tuple[mmap.mmap | None, int]:
-        with open(path, "rb") as f:
+        root = os.environ.get(staging.STAGING_DIR_ENV) or staging.DEFAULT_STAGING_DIR
+        with open(staging.open_bucket(path, root), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             # MAP_POPULATE: fault the whole bucket in at once here, not page by page inside vLLM's copies.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -217,9 +224,10 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 raise size
             return buf, size
         t0 = time.perf_counter()
+        expected = wire.bucket_extent(_entries(info))  # the sender cannot make the worker allocate more
         client = stream.BucketClient(info.tcp)
         try:
-            buf, size = client.fetch(info.bucket, lambda n: np.empty(n, np.uint8))
+            buf, size = client.fetch(info.bucket, expected, lambda n: np.empty(n, np.uint8))
         finally:
             client.close()
         if timed:
@@ -240,13 +248,12 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def finish_weight_update(self) -> None:
         try:
             self._join_prefetch()
-            if self.options.validate:
-                optional = frozenset({"lm_head.weight"}) if self._tied else frozenset()
-                missing = wire.missing_names(self.spec(), self._seen, optional)
-                if missing:
-                    raise ValueError(
-                        f"weight sync: tensor {missing[0]!r} was not pushed ({len(missing)} missing)"
-                    )
+            optional = frozenset({"lm_head.weight"}) if self._tied else frozenset()
+            missing = wire.missing_names(self.spec(), self._seen, optional)
+            if missing:
+                raise ValueError(
+                    f"weight sync: tensor {missing[0]!r} was not pushed ({len(missing)} missing)"
+                )
         finally:
             self._finalize()
 
@@ -298,6 +305,16 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def shutdown(self) -> None:
         self._release()
+
+
+def _entries(info: ShmUpdateInfo) -> list[wire.TensorEntry]:
+    """The bucket's tensor entries; ValueError on a malformed list or a layout `staging` does not write."""
+    try:
+        entries = [wire.TensorEntry.from_wire(t) for t in info.tensors]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"weight sync: malformed tensor list in bucket {info.bucket}: {e}") from e
+    wire.bucket_extent(entries)
+    return entries
 
 
 def direct_modules(model: torch.nn.Module) -> set[torch.nn.Module]:

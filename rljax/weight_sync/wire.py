@@ -121,6 +121,24 @@ def check_entries(
     seen |= names
 
 
+def bucket_extent(entries: list[TensorEntry]) -> int:
+    """The byte size of a bucket holding `entries` laid out as `staging` writes them (each tensor at the
+    aligned end of the previous one, nothing after the last); ValueError naming the first tensor that is
+    elsewhere, has a bad dtype or a byte count that does not match its shape. Checked before a receiver
+    allocates anything, so a sender cannot make it allocate more than the tensors need."""
+    end = 0
+    for e in entries:
+        count = 1
+        for s in e.shape:
+            if s < 0:
+                raise ValueError(f"weight sync: tensor {e.name!r} has a negative dimension in {e.shape}")
+            count *= s
+        if e.nbytes != count * itemsize(e.dtype) or e.offset != aligned(end):
+            raise ValueError(f"weight sync: tensor {e.name!r} has a bad byte range ({e.offset}, {e.nbytes})")
+        end = e.offset + e.nbytes
+    return end
+
+
 def missing_names(spec: dict, seen: set[str], optional: frozenset[str] = frozenset()) -> list[str]:
     """Names in `spec` (minus `optional`) that an update did not push, sorted."""
     return sorted(set(spec) - seen - optional)
