@@ -123,8 +123,21 @@ ARG_CASES = {  # name -> (overrides, with {tmp} and {file} filled in, fragments 
     "unknown_eval_function": (["--config.reward.eval_function=exact"], ["reward.eval_function", "'exact'"]),
     "unknown_env": (["--config.rollout.env=chess"], ["rollout.env", "'chess'", "valid:"]),
     "workdir_under_a_file": ([], ["--workdir", "not a writable directory"]),
+    # Passes every input check and preflight; its checkpoint (of another state) fails before the server.
+    "workdir_checkpoint_of_another_model": ([], ["checkpoint:", "step 1", "does not fit this run's state"]),
     "workdir_is_a_file": ([], ["--workdir", "not a writable directory"]),
 }
+
+
+def save_foreign_checkpoint(directory: pathlib.Path) -> None:
+    """A real orbax step 1 whose state is not this config's TrainState."""
+    import jax.numpy as jnp
+
+    from rljax.checkpoint import Checkpointer
+
+    ck = Checkpointer(str(directory), async_save=False)
+    ck.save(1, {"w": jnp.zeros((3, 4))}, {"data": {}}, {})
+    ck.close()
 
 
 def build_argv(name: str, tmp: pathlib.Path) -> tuple[list[str], list[str], pathlib.Path]:
@@ -148,6 +161,8 @@ def build_argv(name: str, tmp: pathlib.Path) -> tuple[list[str], list[str], path
         workdir = tmp / "plain" / "work"
     if name == "workdir_is_a_file":
         workdir.write_text("")
+    if name == "workdir_checkpoint_of_another_model":
+        save_foreign_checkpoint(workdir / "checkpoints")
     return ["rljax", config, f"--workdir={workdir}", *overrides], fragments, workdir
 
 
@@ -207,6 +222,17 @@ def test_bad_input_in_process(name, tmp_path, monkeypatch, capsys, server_spy, f
         main.run()
     assert_one_line_error(e.value.code, capsys.readouterr().err, fragments, workdir)
     assert server_spy == []
+
+
+def test_good_inputs_resolve(tmp_path, monkeypatch):
+    """The checks accept the default job's inputs (the control for the table above)."""
+    from rljax.config import Config
+    from rljax.loop.inputs import resolve_inputs
+
+    monkeypatch.chdir(REPO)
+    train, held_out = resolve_inputs(Config(), str(tmp_path / "work"))
+    assert len(held_out) == Config().data.eval_size and len(train) > 1000
+    assert (tmp_path / "work").is_dir() and not list((tmp_path / "work").iterdir())
 
 
 @pytest.mark.parametrize(
