@@ -191,13 +191,14 @@ class Checkpointer:
         Reads through the item handlers, not the manager: the manager's restore ends in a barrier that a
         process whose read failed would never reach, so processes could not agree afterwards."""
         step_dir = pathlib.Path(self.directory, str(step))
+        handler = ocp.StandardCheckpointHandler()
         try:
-            state = ocp.StandardCheckpointHandler().restore(
-                step_dir / "state", args=ocp.args.StandardRestore(abstract_state)
-            )
+            state = handler.restore(step_dir / "state", args=ocp.args.StandardRestore(abstract_state))
             extra = ocp.JsonCheckpointHandler().restore(step_dir / "extra", args=ocp.args.JsonRestore())
         except Exception as e:  # orbax/tensorstore raise many types; classify_restore_error sorts them
             return classify_restore_error(e), None, e
+        finally:
+            handler.close()
         return RestoreOutcome.OK, (state, dict(extra)), None
 
     def _quarantine(self, bad_steps: list[int]) -> None:
