@@ -7,7 +7,12 @@ Items of each step:
 orbax writes `<step>.orbax-checkpoint-tmp` and renames it when complete, so a process killed mid-save leaves
 nothing `all_steps()` lists; a finished step whose bytes are corrupt fails only at restore, so
 `restore_latest` walks back to the newest step that restores, says so on stderr, and moves the newer,
-unrestorable steps to `corrupt/` (kept for inspection) so the resumed run can save those steps again.
+corrupt steps to `corrupt/` (kept for inspection) so the resumed run can save those steps again.
+Only recognised corruption (the saved bytes fail to read or decode: `classify_restore_error`) is
+quarantined. A step that does not fit the run's state (a changed model or optimizer config) raises
+`CheckpointMismatchError`; any other failure (an I/O or permission error) raises `CheckpointError` and
+moves nothing. In a multi-process run every process tries each step, then all agree on the worst outcome
+(`agree`, an allgather) before anyone quarantines or restores, so all resume from the same step.
 
 Test-only hook (fault tests of a save killed in flight): `RLJAX_TEST_SLOW_SAVE_S=<seconds>` makes every async
 save (or only step `RLJAX_TEST_SLOW_SAVE_STEP`, when set) wait that long after its data is written and before
@@ -18,7 +23,10 @@ default) it does nothing; it never changes what is written.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import json
 import os
+import pathlib
 import sys
 import time
 from typing import Any
@@ -34,7 +42,57 @@ CORRUPT_DIR = "corrupt"  # steps that failed to restore, moved out of orbax's li
 
 
 class CheckpointError(RuntimeError):
-    """No checkpoint in a non-empty directory could be restored."""
+    """No checkpoint in a non-empty directory could be restored, or a step failed for a reason other than
+    recognised corruption (nothing was moved)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The newest checkpoint does not fit this run's state (saved with another model/optimizer config)."""
+
+
+class RestoreOutcome(enum.IntEnum):
+    """One process's result of restoring one step, ordered so that the worst across processes wins."""
+
+    OK = 0
+    CORRUPT = 1  # the saved bytes fail to read or decode: skipped, quarantined once an older step restores
+    FAILED = 2  # anything else (an I/O or permission error, ...): the run stops, nothing is moved
+    MISMATCH = 3  # the step's tree or shapes differ from this run's state: the run stops, nothing is moved
+
+
+# tensorstore's status prefixes for damaged bytes: checksum/decode failures, truncated files, files missing
+# from a step orbax had committed (orbax only lists steps whose save finished).
+_CORRUPT_STATUSES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND")
+# orbax's messages for a restore target whose shapes or tree structure differ from the saved ones.
+_MISMATCH_TEXTS = ("is not compatible with the stored shape", "tree structures do not match")
+
+
+def classify_restore_error(error: BaseException) -> RestoreOutcome:
+    """CORRUPT, MISMATCH or FAILED for an exception raised while restoring a step (never OK).
+
+    Unrecognised errors are FAILED: quarantining is reserved for recognised corruption."""
+    text = str(error)
+    if isinstance(error, ValueError) and any(t in text for t in _MISMATCH_TEXTS):
+        return RestoreOutcome.MISMATCH
+    if isinstance(error, json.JSONDecodeError | UnicodeDecodeError | FileNotFoundError):
+        return RestoreOutcome.CORRUPT
+    if isinstance(error, ValueError) and text.split(":", 1)[0].strip() in _CORRUPT_STATUSES:
+        return RestoreOutcome.CORRUPT
+    return RestoreOutcome.FAILED
+
+
+def agree(outcomes) -> RestoreOutcome:
+    """The outcome every process acts on: the worst of all processes' outcomes for the same step."""
+    return RestoreOutcome(max(int(o) for o in outcomes))
+
+
+def agree_across_processes(outcome: RestoreOutcome) -> RestoreOutcome:
+    """`agree` over all processes of the job (an allgather); the local outcome in a one-process run."""
+    if jax.process_count() == 1:
+        return outcome
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(int(outcome), np.int32))
+    return agree(np.asarray(gathered).reshape(-1).tolist())
 
 
 class Checkpointer:
@@ -89,33 +147,59 @@ class Checkpointer:
         )
 
     def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
-        """(step, state, extra) of the newest step that restores; None when there is no checkpoint.
+        """(step, state, extra) of the newest step that restores on every process; None when there is no
+        checkpoint.
 
-        A step that fails to restore (corrupt or partial) is reported and skipped; if every step fails,
-        CheckpointError is raised rather than silently starting from scratch.
+        A step that is corrupt on any process is reported and skipped; the skipped steps are moved to
+        `corrupt/` once an older one restores. CheckpointMismatchError when the newest readable step does
+        not fit `abstract_state`; CheckpointError when a step fails otherwise (nothing moved) or when
+        every step is corrupt (rather than silently starting from scratch).
         """
         steps = self.all_steps()
-        failures = []
+        corrupt, failures = [], []
         for step in reversed(steps):
-            try:
-                state, extra = self.restore(step, abstract_state)
-            except Exception as e:  # orbax/tensorstore raise many types for damaged files
-                failures.append(f"step {step}: {type(e).__name__}: {str(e)[:200]}")
-                print(
-                    f"rljax: checkpoint step {step} in {self.directory} failed to restore "
-                    f"({type(e).__name__}); falling back to an earlier step",
-                    file=sys.stderr,
-                    flush=True,
+            local, restored, error = self._try_restore(step, abstract_state)
+            outcome = agree_across_processes(local)
+            if outcome is RestoreOutcome.OK:
+                if corrupt:
+                    self._quarantine(corrupt)
+                return step, *restored
+            detail = _describe(error) if error is not None else "another process failed to restore it"
+            where = f"checkpoint step {step} in {self.directory}"
+            if outcome is RestoreOutcome.MISMATCH:
+                raise CheckpointMismatchError(
+                    f"{where} does not fit this run's state ({detail}); resume with the config it was "
+                    f"saved with ({os.path.join(self.directory, str(step), 'config')}) or use a new workdir"
                 )
-                continue
-            if failures:
-                self._quarantine([s for s in steps if s > step])
-            return step, state, extra
+            if outcome is RestoreOutcome.FAILED:
+                raise CheckpointError(
+                    f"{where} failed to restore and is not recognisably corrupt ({detail}); nothing was "
+                    "moved: rerun once the storage reads again"
+                )
+            corrupt.append(step)
+            failures.append(f"step {step}: {detail}")
+            print(f"rljax: {where} is corrupt ({detail}); falling back to an earlier step", file=sys.stderr)
         if steps:
             raise CheckpointError(
                 f"none of the {len(steps)} checkpoints in {self.directory} restores: " + "; ".join(failures)
             )
         return None
+
+    def _try_restore(self, step: int, abstract_state: Any) -> tuple[RestoreOutcome, tuple | None, Any]:
+        """(outcome, (state, extra) or None, the exception or None) of restoring `step` on this process.
+
+        Reads through the item handlers, not the manager: the manager's restore ends in a barrier that a
+        process whose read failed would never reach, so processes could not agree afterwards."""
+        step_dir = pathlib.Path(self.directory, str(step))
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            state = handler.restore(step_dir / "state", args=ocp.args.StandardRestore(abstract_state))
+            extra = ocp.JsonCheckpointHandler().restore(step_dir / "extra", args=ocp.args.JsonRestore())
+        except Exception as e:  # orbax/tensorstore raise many types; classify_restore_error sorts them
+            return classify_restore_error(e), None, e
+        finally:
+            handler.close()
+        return RestoreOutcome.OK, (state, dict(extra)), None
 
     def _quarantine(self, bad_steps: list[int]) -> None:
         """Moves steps that failed to restore to `<directory>/corrupt/<step>-<time>` (kept for inspection,
@@ -144,6 +228,11 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _describe(error: BaseException) -> str:
+    """`Type: first line of the message` (tensorstore appends a long spec to its messages)."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
 
 def _slow_save_hook(saving_step):

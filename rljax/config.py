@@ -11,7 +11,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -393,7 +395,68 @@ def _positive(cfg: Config) -> list[tuple[str, Any]]:
         ("checkpoint.keep_last", cfg.checkpoint.keep_last),
         ("model.attention_block_size", cfg.model.attention_block_size),
         ("algo.is_cap", cfg.algo.is_cap),
+        ("rollout.vllm.gpu_memory_utilization", cfg.rollout.vllm.gpu_memory_utilization),
+        ("rollout.vllm.startup_timeout_s", cfg.rollout.vllm.startup_timeout_s),
+        ("rollout.weight_sync.canary_tolerance", cfg.rollout.weight_sync.canary_tolerance),
     ]
+
+
+# (field, lo, hi): lo <= value <= hi, for fields `_positive` does not cover (or bounds it from above).
+_RANGES = (
+    ("rollout.vllm.port", 0, 65535),  # 0 picks a free port
+    ("rollout.vllm.max_model_len", 1, math.inf),
+    ("rollout.vllm.gpu_memory_utilization", 0.0, 1.0),  # and > 0: `_positive`
+    ("rollout.vllm.kvcache_space_gib", 0, math.inf),
+    ("rollout.eval_temperature", 0.0, math.inf),
+    ("reward.num_workers", 1, 256),  # each is a Python process with its own sandboxes
+    ("optim.warmup_steps", 0, math.inf),
+    ("optim.weight_decay", 0.0, math.inf),
+    ("optim.b1", 0.0, 1.0),
+    ("optim.b2", 0.0, 1.0),
+    ("optim.eps", 0.0, math.inf),
+    ("optim.max_grad_norm", 0.0, math.inf),
+    ("algo.clip_low", 0.0, 1.0),
+    ("algo.clip_high", 0.0, math.inf),
+    ("algo.beta", 0.0, math.inf),
+    ("algo.adv_eps", 0.0, math.inf),
+    ("algo.gamma", 0.0, 1.0),
+    ("algo.lam", 0.0, 1.0),
+    ("algo.vf_coef", 0.0, math.inf),
+    ("algo.value_clip", 0.0, math.inf),
+    ("algo.overlong_buffer", 0, math.inf),
+    ("algo.overlong_penalty", 0.0, math.inf),
+    ("algo.max_refill_rounds", 0, math.inf),
+    ("data.eval_size", 0, math.inf),
+    ("data.seed", 0, 2**32 - 1),
+    ("trainer.seed", 0, 2**32 - 1),
+    ("trainer.eval_every", 0, math.inf),
+    ("checkpoint.keep_every", 0, math.inf),
+)
+
+
+def _value(cfg: Config, key: str) -> Any:
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Every float field and reward weight is finite; the `_RANGES` fields lie in their ranges."""
+    for key, typ in field_types(Config).items():
+        if typ is float and not math.isfinite(_value(cfg, key)):
+            raise ConfigError(key, f"must be a finite number, got {_value(cfg, key)!r}")
+    for weight in cfg.reward.weights:
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+            raise ConfigError("reward.weights", f"must be finite numbers, got {weight!r}")
+    for key, lo, hi in _RANGES:
+        value = _value(cfg, key)
+        if not lo <= value <= hi:
+            bounds = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
+            raise ConfigError(key, f"must be {bounds}, got {value!r}")
+    if cfg.rollout.vllm.max_model_len <= cfg.rollout.max_tokens:
+        raise ConfigError(
+            "rollout.vllm.max_model_len",
+            f"{cfg.rollout.vllm.max_model_len} leaves no room for a prompt before "
+            f"rollout.max_tokens={cfg.rollout.max_tokens} completion tokens",
+        )
 
 
 def _check_names(cfg: Config) -> None:
@@ -449,6 +512,7 @@ def _private_file(path: str) -> bool:
 
 def validate(cfg: Config) -> Config:
     """Checks cross-field facts that need no devices; raises ConfigError naming the field. Returns cfg."""
+    _check_ranges(cfg)
     for key, value in _positive(cfg):
         if not value > 0:
             raise ConfigError(key, f"must be > 0, got {value!r}")
@@ -669,7 +733,8 @@ def read_model_config(path: str, decoder: str = "") -> Any:
     try:
         with open(os.path.join(path, "config.json")) as f:
             return models.ModelConfig.from_hf_dict(json.load(f), decoder=decoder)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError) as e:
+        # any malformed config.json (not JSON, not an object, missing or ill-typed or zero sizes)
         raise ConfigError("model.path", f"{path}/config.json: {type(e).__name__}: {e}") from e
 
 

@@ -54,10 +54,16 @@ def _load_config_file(path: str, preset: str | None) -> None:
     import importlib.util
 
     sys.path.insert(0, os.getcwd())
-    spec = importlib.util.spec_from_file_location("rljax_user_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config_lib.from_config_dict(module.get_config(preset))
+    try:
+        spec = importlib.util.spec_from_file_location("rljax_user_config", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        cd = module.get_config(preset)
+    except config_lib.ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's config file: a syntax error, a bad import, ...
+        raise config_lib.ConfigError("--config", f"{path}: {type(e).__name__}: {e}") from None
+    config_lib.from_config_dict(cd)
 
 
 def load_config() -> config_lib.Config:
@@ -80,6 +86,14 @@ def _main(argv: list[str]) -> None:
     runtime.run(cfg, _WORKDIR.value)
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing with a bad flag (e.g. an unknown one) as one line and exit 2."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        fail(f"flags: {e}")
+
+
 def run(argv: list[str] | None = None) -> None:
     argv = list(sys.argv if argv is None else argv)
     try:
@@ -87,7 +101,7 @@ def run(argv: list[str] | None = None) -> None:
     except config_lib.ConfigError as e:
         fail(f"config: {e}")
     try:
-        app.run(_main, argv=argv)
+        app.run(_main, argv=argv, flags_parser=_parse_flags)
     except config_lib.ConfigError as e:  # raised by a config file's get_config (e.g. unknown preset)
         fail(f"config: {e}")
 

@@ -110,15 +110,25 @@ def preflight_or_fail(cfg: config_lib.Config) -> None:
 
 
 def run(cfg: config_lib.Config, workdir: str) -> None:
-    """Validates the config against this machine (config checks, then preflight) and runs the loop."""
+    """Validates the config against this machine (config checks, every user input resolved, then
+    preflight) and runs the loop. User errors exit 2 with one line before any server starts."""
     initialize_jax()
     import jax
 
+    from rljax.loop.inputs import resolve_inputs
+
     try:
         config_lib.validate_runtime(cfg, jax.device_count())
+        resolve_inputs(cfg, workdir)
     except config_lib.ConfigError as e:
         fail(f"config: {e}")
     preflight_or_fail(cfg)
+    from rljax.checkpoint import CheckpointError, CheckpointMismatchError
     from rljax.loop.train import train
 
-    train(cfg, workdir)
+    try:
+        train(cfg, workdir)
+    except CheckpointMismatchError as e:  # the workdir's checkpoints were saved with another config
+        fail(f"checkpoint: {e}")
+    except CheckpointError as e:  # not a user error: exit 1, still one line
+        fail(f"checkpoint: {e}", code=1)

@@ -1,5 +1,6 @@
 """Real orbax checkpoints: round trip, preservation policy, corrupt-latest fall-back, re-meshing."""
 
+import json
 import os
 import pathlib
 
@@ -10,7 +11,15 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rljax.checkpoint import Checkpointer, CheckpointError, abstract_like
+from rljax.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointMismatchError,
+    RestoreOutcome,
+    abstract_like,
+    agree,
+    classify_restore_error,
+)
 
 
 def make_state(seed, mesh=None):
@@ -150,3 +159,147 @@ def test_slow_save_hook_keeps_the_step_unlisted_until_renamed(tmp_path, monkeypa
     ck.wait()
     assert ck.all_steps() == [1, 2] and ck.restore_extra(2) == {"k": 2}
     ck.close()
+
+
+# ------------------------------------------------ which failures quarantine, and agreement across processes
+def two_steps(tmp_path):
+    ck = Checkpointer(str(tmp_path), async_save=False)
+    ck.save(1, make_state(1), {"k": 1}, {})
+    ck.save(2, make_state(2), {"k": 2}, {})
+    ck.wait()
+    return ck
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s["params"].update(w=jnp.zeros((8, 32))),  # a wider layer: another model config
+        lambda s: s["params"].update(extra=jnp.zeros(3)),  # a new parameter: another optimizer/model
+    ],
+    ids=["shape", "structure"],
+)
+def test_changed_state_is_a_clear_error_not_corruption(tmp_path, change):
+    ck = two_steps(tmp_path)
+    target = make_state(0)
+    change(target)
+    with pytest.raises(CheckpointMismatchError, match="checkpoint step 2 .* does not fit this run's state"):
+        ck.restore_latest(abstract_like(target))
+    assert ck.all_steps() == [1, 2] and not (tmp_path / "corrupt").exists()  # nothing moved
+
+
+def test_corrupt_extra_json_is_corruption(tmp_path):
+    ck = two_steps(tmp_path)
+    (tmp_path / "2" / "extra" / "metadata").write_text("{not json")
+    step, _, extra = ck.restore_latest(abstract_like(make_state(0)))
+    assert step == 1 and extra == {"k": 1}
+    assert ck.all_steps() == [1] and len(list((tmp_path / "corrupt").iterdir())) == 1
+
+
+def test_truncated_array_file_is_corruption(tmp_path):
+    ck = two_steps(tmp_path)
+    for f in (tmp_path / "2" / "state" / "d").iterdir():
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    step, restored, _ = ck.restore_latest(abstract_like(make_state(0)))
+    assert step == 1 and ck.all_steps() == [1]
+    assert_tree_equal(restored, make_state(1))
+
+
+def test_io_error_moves_nothing(tmp_path, monkeypatch):
+    """An I/O error that is not recognisable corruption (injected into the real orbax read) stops the
+    restore with a clear error and leaves every step in place."""
+    import orbax.checkpoint as ocp
+
+    ck = two_steps(tmp_path)
+
+    def eio(self, directory, args=None):
+        raise OSError(5, "Input/output error", str(directory))
+
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "restore", eio)
+    with pytest.raises(CheckpointError, match="not recognisably corrupt .*OSError.*nothing was moved"):
+        ck.restore_latest(abstract_like(make_state(0)))
+    assert ck.all_steps() == [1, 2] and not (tmp_path / "corrupt").exists()
+
+
+@pytest.mark.parametrize(
+    "error, outcome",
+    [
+        (ValueError("DATA_LOSS: Error decoding manifest"), RestoreOutcome.CORRUPT),
+        (ValueError("OUT_OF_RANGE: Error reading byte range"), RestoreOutcome.CORRUPT),
+        (json.JSONDecodeError("Expecting value", "{", 1), RestoreOutcome.CORRUPT),
+        (
+            ValueError("Requested shape: (8, 32) is not compatible with the stored shape: (8, 16)."),
+            RestoreOutcome.MISMATCH,
+        ),
+        (OSError(5, "Input/output error"), RestoreOutcome.FAILED),
+        (TimeoutError("read timed out"), RestoreOutcome.FAILED),
+        (ValueError("UNAVAILABLE: connection reset"), RestoreOutcome.FAILED),
+        (RuntimeError("something else"), RestoreOutcome.FAILED),
+    ],
+)
+def test_classify_restore_error(error, outcome):
+    assert classify_restore_error(error) is outcome
+
+
+def test_agree_takes_the_worst_outcome_of_all_processes():
+    ok, corrupt, failed, mismatch = RestoreOutcome
+    assert agree([ok, ok]) is ok
+    assert agree([ok, corrupt]) is corrupt and agree([corrupt, ok, ok]) is corrupt
+    assert agree([corrupt, failed]) is failed
+    assert agree([ok, mismatch, corrupt]) is mismatch
+
+
+def test_a_step_corrupt_on_another_process_is_skipped_here_too(tmp_path, monkeypatch):
+    """Control flow: this process reads step 2 fine, another reports it corrupt (the allgather faked):
+    this process must not use step 2 either, and step 2 is quarantined only after step 1 restores."""
+    import rljax.checkpoint as ckpt
+
+    ck = two_steps(tmp_path)
+    seen = []
+
+    def others_say_corrupt_at_2(local):
+        seen.append((local, sorted(p.name for p in tmp_path.iterdir())))
+        return agree([local, RestoreOutcome.CORRUPT if len(seen) == 1 else RestoreOutcome.OK])
+
+    monkeypatch.setattr(ckpt, "agree_across_processes", others_say_corrupt_at_2)
+    step, restored, extra = ck.restore_latest(abstract_like(make_state(0)))
+    assert step == 1 and extra == {"k": 1}
+    assert_tree_equal(restored, make_state(1))
+    assert seen[0][0] is RestoreOutcome.OK and "2" in seen[1][1]  # nothing moved before agreement
+    assert ck.all_steps() == [1] and len(list((tmp_path / "corrupt").iterdir())) == 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_agree_on_the_restorable_step(tmp_path):
+    """Real jax.distributed job of 2 processes and real orbax: process 1 alone fails to read step 2's
+    bytes; both restore step 1 (the same values) and step 2 is quarantined once."""
+    import json as json_lib
+    import subprocess
+    import sys
+
+    worker = pathlib.Path(__file__).with_name("mp_checkpoint_worker.py")
+    port, ckpt_dir = _free_port(), tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(i), str(port), str(ckpt_dir), str(tmp_path / f"out{i}.json")]
+            + (["2"] if i == 1 else []),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    results = [json_lib.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
+    for r in results:
+        assert r["step"] == 1 and r["extra"] == {"k": 1} and r["values_match"], r
+        assert r["all_steps"] == [1] and len(r["corrupt"]) == 1 and r["corrupt"][0].startswith("2-"), r

@@ -101,6 +101,65 @@ def test_validate_rejects_impossible_values(changes, field):
     assert e.value.field == field
 
 
+def replace_fields(cfg, changes: dict):
+    """cfg with dotted fields (any depth, e.g. rollout.vllm.port) replaced."""
+    for key, value in changes.items():
+        *path, name = key.split(".")
+        sections = [cfg]
+        for part in path:
+            sections.append(getattr(sections[-1], part))
+        new = dataclasses.replace(sections[-1], **{name: value})
+        for parent, part in zip(reversed(sections[:-1]), reversed(path), strict=True):
+            new = dataclasses.replace(parent, **{part: new})
+        cfg = new
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "changes, field, fragment",
+    [
+        ({"optim.learning_rate": float("inf")}, "optim.learning_rate", "finite"),
+        ({"optim.learning_rate": float("nan")}, "optim.learning_rate", "finite"),
+        ({"algo.beta": float("-inf")}, "algo.beta", "finite"),
+        ({"reward.weights": (float("nan"),)}, "reward.weights", "finite"),
+        ({"reward.weights": ("1",)}, "reward.weights", "finite"),
+        ({"rollout.vllm.max_model_len": -512}, "rollout.vllm.max_model_len", ">= 1"),
+        ({"rollout.vllm.max_model_len": 16}, "rollout.vllm.max_model_len", "no room for a prompt"),
+        ({"rollout.vllm.port": 70000}, "rollout.vllm.port", "[0, 65535]"),
+        ({"rollout.vllm.port": -1}, "rollout.vllm.port", "[0, 65535]"),
+        ({"reward.num_workers": 1_000_000}, "reward.num_workers", "[1, 256]"),
+        ({"rollout.vllm.gpu_memory_utilization": 1.5}, "rollout.vllm.gpu_memory_utilization", "[0.0, 1.0]"),
+        ({"rollout.vllm.gpu_memory_utilization": 0.0}, "rollout.vllm.gpu_memory_utilization", "> 0"),
+        ({"optim.b1": -0.1}, "optim.b1", "[0.0, 1.0]"),
+        ({"algo.gamma": 1.5}, "algo.gamma", "[0.0, 1.0]"),
+        ({"algo.beta": -0.01}, "algo.beta", ">= 0.0"),
+        ({"trainer.seed": -1}, "trainer.seed", "[0, 4294967295]"),
+        ({"data.eval_size": -1}, "data.eval_size", ">= 0"),
+        ({"rollout.weight_sync.canary_tolerance": 0.0}, "rollout.weight_sync.canary_tolerance", "> 0"),
+    ],
+)
+def test_validate_checks_finiteness_and_ranges(changes, field, fragment):
+    with pytest.raises(C.ConfigError) as e:
+        C.validate(replace_fields(C.Config(), changes))
+    assert e.value.field == field and fragment in str(e.value), str(e.value)
+
+
+def test_validate_accepts_range_edges():
+    edges = {
+        "rollout.vllm.port": 65535,
+        "reward.num_workers": 256,
+        "rollout.vllm.gpu_memory_utilization": 1.0,
+    }
+    C.validate(replace_fields(C.Config(), edges))
+
+
+def test_read_model_config_names_a_malformed_config_json(tmp_path):
+    for text in ("{not json", "[]", json.dumps({"model_type": "qwen2", "hidden_size": "big"})):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(C.ConfigError, match="config.json"):
+            C.read_model_config(str(tmp_path))
+
+
 def test_mesh_shape_resolves_minus_one_and_checks_product():
     assert C.mesh_shape(C.MeshConfig(data=2, fsdp=-1, tensor=2), 8) == {"data": 2, "fsdp": 2, "tensor": 2}
     with pytest.raises(C.ConfigError, match="= 12, but there are 8 devices"):

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from rljax.config import DataConfig
+from rljax.config import ConfigError, DataConfig
 from rljax.data import SOURCES, PromptIterator, make_source, split_train_eval
 
 FILE_SOURCES = ("jsonl", "parquet", "hf_datasets")
 
 
 def load_examples(data: DataConfig) -> tuple[list[dict], list[dict]]:
-    """(train, eval) examples; no eval prompt ever appears in train. Errors name the data.* field."""
+    """(train, eval) examples; no eval prompt ever appears in train. Errors name the data.* field (the
+    source's own errors are named by `rljax.loop.inputs.resolve_examples`)."""
     if data.source not in SOURCES:
-        raise ValueError(f"data.source: unknown source {data.source!r}; valid: {', '.join(SOURCES.names())}")
+        raise ConfigError(
+            "data.source", f"unknown source {data.source!r}; valid: {', '.join(SOURCES.names())}"
+        )
     if data.source in FILE_SOURCES:
         if not data.path:
-            raise ValueError(f"data.path: the {data.source!r} source needs a path")
+            raise ConfigError("data.path", f"the {data.source!r} source needs a path to a file")
         fields = {"prompt": data.prompt_field, "answer": data.answer_field}
         examples = make_source(data.source, path=data.path, fields=fields)
     else:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from rljax.models.config import ModelConfig
 from rljax.models.model import param_entries, param_logical_axes
@@ -100,19 +100,30 @@ def _shard_name(index: Path, name: str) -> str:
     return norm
 
 
+class CheckpointFormatError(ValueError):
+    """A file of a local Hugging Face checkpoint cannot be read (truncated, not JSON, ...); names the file."""
+
+
 class _TensorSource:
-    """Name -> safetensors slice over one or more files (memory-mapped; reads only what is asked)."""
+    """Name -> safetensors slice over one or more files (memory-mapped; reads only what is asked).
+
+    Opening reads every file's header only; a truncated or damaged file raises CheckpointFormatError."""
 
     def __init__(self, path: Path):
         index = path / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({_shard_name(index, f) for f in weight_map.values()})
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted({_shard_name(index, f) for f in weight_map.values()})
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointFormatError(
+                    f"{index}: not a safetensors index ({type(e).__name__}: {e})"
+                ) from e
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {path}")
-        self._handles = {f: safe_open(str(path / f), framework="np") for f in files}
+        self._handles = {f: _open_safetensors(path / f) for f in files}
         self.file_of = {k: f for f, h in self._handles.items() for k in h.keys()}
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -120,6 +131,27 @@ class _TensorSource:
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         return self._handles[self.file_of[name]].get_slice(name)[index]
+
+
+def _open_safetensors(file: Path) -> Any:
+    """safe_open's handle (it checks the header and that the file covers every tensor's bytes)."""
+    try:
+        return safe_open(str(file), framework="np")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointFormatError(f"{file}: not a readable safetensors file ({e})") from e
+
+
+def check_hf_checkpoint(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a local checkpoint dir after reading config.json and every safetensors header
+    (no tensor data) and checking each tensor's name and shape against the config; raises
+    CheckpointFormatError (or FileNotFoundError / ValueError) naming the file otherwise."""
+    path = Path(path)
+    try:
+        config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    except (ValueError, KeyError, TypeError, AttributeError, ArithmeticError) as e:
+        raise CheckpointFormatError(f"{path / 'config.json'}: {type(e).__name__}: {e}") from e
+    _check_tensors(config, _TensorSource(path), path)
+    return config
 
 
 def _check_tensors(config: ModelConfig, source: _TensorSource, path: Path) -> None:

@@ -1,0 +1,120 @@
+"""Everything a run reads from the user, resolved before anything starts.
+
+`resolve_inputs(cfg, workdir)` runs in `rljax.runtime.run` after the config checks and before preflight,
+the vLLM server, the reward workers or any allocation: the workdir is created and written to; the model
+directory's config.json, every safetensors header (a truncated file fails here, not mid-load) and the
+tokenizer are read; the data source is loaded and split, and the prompt template filled from its
+examples; every reward spec (`reward.functions`, `reward.eval_function`) and the environment are looked
+up. Each problem is a `ConfigError` naming the field or file and what would be valid, which the runtime
+prints as one line before exiting 2.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from rljax.config import Config, ConfigError, DataConfig
+from rljax.data import format_prompt
+from rljax.loop.data_setup import load_examples
+
+# Errors a data source raises for bad user input (a missing file, a bad record, a wrong option).
+_DATA_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError)
+
+
+def resolve_inputs(cfg: Config, workdir: str) -> tuple[list[dict], list[dict]]:
+    """Checks every user input of the run (see the module doc); returns the (train, eval) examples."""
+    check_workdir(workdir)
+    check_env(cfg)
+    check_rewards(cfg)
+    train, held_out = resolve_examples(cfg.data)
+    check_model_dir(cfg.model.path)  # last: loading the tokenizer imports transformers
+    return train, held_out
+
+
+def check_workdir(workdir: str) -> None:
+    """Creates `workdir` and writes a file in it; ConfigError naming --workdir when it cannot."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workdir):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            "--workdir",
+            f"{workdir!r} is not a writable directory ({e.strerror or e}); pass one you can write",
+        ) from None
+
+
+def check_model_dir(path: str) -> None:
+    """config.json parses, every safetensors header is intact and matches it, the tokenizer loads and
+    fits the model's vocabulary."""
+    from rljax.models.hf import CheckpointFormatError, check_hf_checkpoint, load_tokenizer
+
+    try:
+        model_config = check_hf_checkpoint(path)
+    except (CheckpointFormatError, OSError, ValueError) as e:
+        raise ConfigError("model.path", f"{e} (a local Hugging Face checkpoint directory)") from None
+    try:
+        size = len(load_tokenizer(path))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for missing/broken files
+        raise ConfigError(
+            "model.path", f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})"
+        ) from None
+    # Without its files transformers builds an empty tokenizer (1 token) instead of failing.
+    if not 1 < size <= model_config.vocab_size:
+        raise ConfigError(
+            "model.path",
+            f"{path}: the tokenizer has {size} tokens, the model's vocabulary {model_config.vocab_size} "
+            "(tokenizer files missing or from another model: tokenizer.json, tokenizer_config.json)",
+        )
+
+
+def resolve_examples(data: DataConfig) -> tuple[list[dict], list[dict]]:
+    """(train, eval) examples of `data`, with the prompt template filled from one of each; ConfigError
+    naming the data.* field otherwise."""
+    try:
+        train, held_out = load_examples(data)
+    except ConfigError:
+        raise
+    except _DATA_ERRORS as e:
+        field = "data.path" if isinstance(e, OSError) or data.path else "data.source_options"
+        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        raise ConfigError(field, f"source {data.source!r}: {type(e).__name__}: {message}") from None
+    if not train:
+        raise ConfigError("data.eval_size", f"{data.eval_size} leaves no training examples")
+    for example in (train[0], *held_out[:1]):
+        try:
+            format_prompt(example, data.template)
+        except (KeyError, ValueError, IndexError, AttributeError) as e:
+            message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+            raise ConfigError("data.template", f"{message}") from None
+    return train, held_out
+
+
+def check_rewards(cfg: Config) -> None:
+    """Every reward spec resolves to a function with a valid declared range."""
+    from rljax.rewards.base import resolve, reward_range
+
+    named = [("reward.functions", name) for name in cfg.reward.functions]
+    for key, name in [*named, ("reward.eval_function", cfg.reward.eval_function)]:
+        if not isinstance(name, str):
+            raise ConfigError(key, f"expected reward names, got {name!r}")
+        try:
+            reward_range(resolve(name), {})
+        except KeyError as e:
+            raise ConfigError(key, f"{e.args[0] if e.args else e}") from None
+        except Exception as e:  # noqa: BLE001 - importing a custom reward runs the user's module
+            raise ConfigError(key, f"{name!r}: {type(e).__name__}: {e}") from None
+
+
+def check_env(cfg: Config) -> None:
+    """`rollout.env` is empty (single-turn) or a registered environment."""
+    if not cfg.rollout.env:
+        return
+    from rljax.envs import ENVS
+
+    if cfg.rollout.env not in ENVS:
+        raise ConfigError(
+            "rollout.env",
+            f"unknown environment {cfg.rollout.env!r}; valid: '' (single-turn), {', '.join(ENVS.names())}",
+        )

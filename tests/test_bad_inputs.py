@@ -1,0 +1,262 @@
+"""Bad input through the real CLI: exit 2, exactly one stderr line naming the field or file, no traceback,
+and no vLLM server started (every case fails before preflight, the server and the reward workers).
+
+Most cases run `rljax.main.run(argv)` in this process (the same code path as `python -m rljax.main`,
+absl re-parses its flags on every call) with `SystemExit` and stderr captured, and with the vLLM server's
+start replaced by a spy; a handful run as real `python -m rljax.main` subprocesses.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = f"--config={REPO}/configs/grpo.py"
+MODEL = REPO / "assets" / "tiny_arith"
+
+
+# ---------------------------------------------------------------------------------------- bad inputs
+def truncated_safetensors(d: pathlib.Path) -> None:
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def edit_config_json(**changes):
+    def edit(d: pathlib.Path) -> None:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(changes)
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    return edit
+
+
+def remove(*names):
+    def edit(d: pathlib.Path) -> None:
+        for name in names:
+            (d / name).unlink()
+
+    return edit
+
+
+MODEL_CASES = {  # name -> (edit of a copy of the tiny model dir, fragments of the error line)
+    "truncated_safetensors": (truncated_safetensors, ["model.path", "model.safetensors", "not a readable"]),
+    "config_json_not_json": (
+        lambda d: (d / "config.json").write_text("{not json"),
+        ["model.path", "config.json", "JSONDecodeError"],
+    ),
+    "config_json_zero_heads": (edit_config_json(num_attention_heads=0), ["model.path", "config.json"]),
+    "config_json_string_size": (edit_config_json(hidden_size="big"), ["model.path", "config.json"]),
+    "config_json_wrong_vocab": (
+        edit_config_json(vocab_size=1024),
+        ["model.path", "embed_tokens", "expected", "(1024, 128)"],
+    ),
+    "no_safetensors": (remove("model.safetensors"), ["model.path", "no *.safetensors files"]),
+    "no_tokenizer": (
+        remove("tokenizer.json", "tokenizer_config.json"),
+        ["model.path", "tokenizer has 1 tokens"],
+    ),
+}
+
+
+def write_file(name: str, text: str):
+    def make(tmp: pathlib.Path) -> str:
+        (tmp / name).write_text(text)
+        return str(tmp / name)
+
+    return make
+
+
+ARG_CASES = {  # name -> (overrides, with {tmp} and {file} filled in, fragments of the error line)
+    "learning_rate_inf": (["--config.optim.learning_rate=1e999"], ["optim.learning_rate", "finite", "inf"]),
+    "max_model_len_negative": (["--config.rollout.vllm.max_model_len=-512"], ["rollout.vllm.max_model_len"]),
+    "port_out_of_range": (["--config.rollout.vllm.port=70000"], ["rollout.vllm.port", "[0, 65535]", "70000"]),
+    "num_workers_huge": (["--config.reward.num_workers=1000000"], ["reward.num_workers", "[1, 256]"]),
+    "num_workers_float": (["--config.reward.num_workers=1e6"], ["reward.num_workers", "expected int"]),
+    "reward_weight_inf": (["--config.reward.weights=(1e999,)"], ["reward.weights", "finite"]),
+    "beta_negative": (["--config.algo.beta=-0.1"], ["algo.beta", ">= 0.0"]),
+    "adam_b2_above_one": (["--config.optim.b2=1.5"], ["optim.b2", "[0.0, 1.0]"]),
+    "gpu_memory_above_one": (
+        ["--config.rollout.vllm.gpu_memory_utilization=2.0"],
+        ["rollout.vllm.gpu_memory_utilization"],
+    ),
+    "seed_negative": (["--config.trainer.seed=-1"], ["trainer.seed"]),
+    "unknown_flag": (["--nosuch_flag=1"], ["flags:", "nosuch_flag"]),
+    "config_file_syntax_error": (
+        [],
+        ["--config", "broken.py", "SyntaxError"],
+    ),
+    "unknown_data_source": (["--config.data.source=csv"], ["data.source", "'csv'", "valid:", "jsonl"]),
+    "missing_data_path": (
+        ["--config.data.source=jsonl", "--config.data.path={tmp}/none.jsonl"],
+        ["data.path", "none.jsonl", "no file"],
+    ),
+    "file_source_without_path": (["--config.data.source=jsonl"], ["data.path", "needs a path"]),
+    "data_file_bad_json": (
+        ["--config.data.source=jsonl", "--config.data.path={file}"],
+        ["data.path", "bad.jsonl:2", "invalid JSON"],
+        write_file("bad.jsonl", '{"prompt": "1+1", "answer": "2"}\n{oops\n'),
+    ),
+    "data_file_missing_answer": (
+        ["--config.data.source=jsonl", "--config.data.path={file}"],
+        ["data.path", "noanswer.jsonl", "field 'answer'", "not found"],
+        write_file("noanswer.jsonl", '{"prompt": "1+1"}\n' * 3),
+    ),
+    "unknown_source_option": (
+        ["--config.data.source_options=(('digits', 3),)"],
+        ["data.source_options", "digits"],
+    ),
+    "template_unknown_field": (
+        ["--config.data.template={{question}}"],
+        ["data.template", "'question'", "prompt"],
+    ),
+    "unknown_reward": (["--config.reward.functions=('maths',)"], ["reward.functions", "'maths'", "math"]),
+    "reward_module_missing": (
+        ["--config.reward.functions=('no_such_pkg.rewards:score',)"],
+        ["reward.functions", "no_such_pkg", "cannot import"],
+    ),
+    "reward_not_callable": (["--config.reward.functions=('os:sep',)"], ["reward.functions", "not callable"]),
+    "unknown_eval_function": (["--config.reward.eval_function=exact"], ["reward.eval_function", "'exact'"]),
+    "unknown_env": (["--config.rollout.env=chess"], ["rollout.env", "'chess'", "valid:"]),
+    "workdir_under_a_file": ([], ["--workdir", "not a writable directory"]),
+    # Passes every input check and preflight; its checkpoint (of another state) fails before the server.
+    "workdir_checkpoint_of_another_model": ([], ["checkpoint:", "step 1", "does not fit this run's state"]),
+    "workdir_is_a_file": ([], ["--workdir", "not a writable directory"]),
+}
+
+
+def save_foreign_checkpoint(directory: pathlib.Path) -> None:
+    """A real orbax step 1 whose state is not this config's TrainState."""
+    import jax.numpy as jnp
+
+    from rljax.checkpoint import Checkpointer
+
+    ck = Checkpointer(str(directory), async_save=False)
+    ck.save(1, {"w": jnp.zeros((3, 4))}, {"data": {}}, {})
+    ck.close()
+
+
+def build_argv(name: str, tmp: pathlib.Path) -> tuple[list[str], list[str], pathlib.Path]:
+    """(argv, fragments, workdir) of one case."""
+    workdir = tmp / "work"
+    if name in MODEL_CASES:
+        edit, fragments = MODEL_CASES[name]
+        model = tmp / "model"
+        shutil.copytree(MODEL, model)
+        edit(model)
+        return ["rljax", CONFIG, f"--workdir={workdir}", f"--config.model.path={model}"], fragments, workdir
+    overrides, fragments, *make = ARG_CASES[name]
+    file = make[0](tmp) if make else ""
+    overrides = [o.format(tmp=tmp, file=file) for o in overrides]
+    config = CONFIG
+    if name == "config_file_syntax_error":
+        (tmp / "broken.py").write_text("def get_config(preset=None):\n    return {\n")
+        config = f"--config={tmp}/broken.py"
+    if name == "workdir_under_a_file":
+        (tmp / "plain").write_text("")
+        workdir = tmp / "plain" / "work"
+    if name == "workdir_is_a_file":
+        workdir.write_text("")
+    if name == "workdir_checkpoint_of_another_model":
+        save_foreign_checkpoint(workdir / "checkpoints")
+    return ["rljax", config, f"--workdir={workdir}", *overrides], fragments, workdir
+
+
+def assert_one_line_error(code, stderr: str, fragments: list[str], workdir: pathlib.Path) -> None:
+    assert code == 2, (code, stderr[-3000:])
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("rljax: error: "), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    if workdir.is_dir():
+        assert not (workdir / "vllm").exists()  # the owned server's log dir
+
+
+ALL_CASES = sorted(MODEL_CASES) + sorted(ARG_CASES)
+
+
+@pytest.fixture
+def server_spy(monkeypatch):
+    """Records (and refuses) any vLLM server start in this process."""
+    from rljax.rollout.server import VLLMServer
+
+    started = []
+
+    def start(self):
+        started.append(self)
+        raise AssertionError("a vLLM server was started for a bad input")
+
+    monkeypatch.setattr(VLLMServer, "start", start)
+    return started
+
+
+@pytest.fixture
+def fresh_override_flags():
+    """config_flags registers one absl flag per `--config.<key>` override it parses and a later parse of
+    the same key is refused ("defined twice"): drop them after each in-process run, as a new process
+    would start without them."""
+    from absl import flags
+
+    yield
+    for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+        delattr(flags.FLAGS, name)
+
+
+def test_at_least_twenty_cases():
+    assert len(ALL_CASES) >= 20
+
+
+@pytest.mark.parametrize("name", ALL_CASES)
+def test_bad_input_in_process(name, tmp_path, monkeypatch, capsys, server_spy, fresh_override_flags):
+    from rljax import main
+
+    monkeypatch.chdir(REPO)
+    argv, fragments, workdir = build_argv(name, tmp_path)
+    monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides from sys.argv, as in the CLI
+    with pytest.raises(SystemExit) as e:
+        main.run()
+    assert_one_line_error(e.value.code, capsys.readouterr().err, fragments, workdir)
+    assert server_spy == []
+
+
+def test_good_inputs_resolve(tmp_path, monkeypatch):
+    """The checks accept the default job's inputs (the control for the table above)."""
+    from rljax.config import Config
+    from rljax.loop.inputs import resolve_inputs
+
+    monkeypatch.chdir(REPO)
+    train, held_out = resolve_inputs(Config(), str(tmp_path / "work"))
+    assert len(held_out) == Config().data.eval_size and len(train) > 1000
+    assert (tmp_path / "work").is_dir() and not list((tmp_path / "work").iterdir())
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "learning_rate_inf",
+        "truncated_safetensors",
+        "missing_data_path",
+        "unknown_reward",
+        "workdir_under_a_file",
+    ],
+)
+def test_bad_input_real_cli(name, tmp_path):
+    """The same through `python -m rljax.main` in a fresh process (one CPU device, as on a laptop)."""
+    argv, fragments, workdir = build_argv(name, tmp_path)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rljax.main", *argv[1:]],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert_one_line_error(proc.returncode, proc.stderr, fragments, workdir)
+    assert "vllm" not in proc.stdout.lower()
