@@ -281,9 +281,8 @@ def print_table(s: dict, header: str) -> None:
         tgt = f"<= {row['target']:.2f} {'met' if row['met'] else 'NOT met'}" if "target" in row else ""
         print(f"{k:<16s} {row['seconds']:9.3f} {row['floor_seconds']:9.3f} {row['ratio']:7.2f}  {tgt}")
     print("sync loop parts (s): " + ", ".join(f"{k}={v:.3f}" for k, v in s["sync_loop_parts_s"].items()))
-    print(
-        f"batch/pad_fraction {s['batch/pad_fraction']:.3f} (isolated batch {s['batch/pad_fraction_isolated']:.3f})"
-    )
+    pad, pad_iso = s["batch/pad_fraction"], s["batch/pad_fraction_isolated"]
+    print(f"batch/pad_fraction {pad:.3f} (isolated batch {pad_iso:.3f})")
 
 
 def parse_args(argv=None):

@@ -23,7 +23,7 @@ from rljax.config import Config
 from rljax.loop.distributed import host_params, is_leader, to_host
 from rljax.loop.recovery import FaultPlan, call_with_recovery, kill_halfway, kill_when_running
 from rljax.loop.trajectory import Trajectory, build_loss_inputs
-from rljax.rollout import ClientOptions, ServerOptions, VLLMEngine
+from rljax.rollout import ClientOptions, ServerOptions, VLLMEngine, placement
 from rljax.weight_sync import SyncOptions
 
 RECOVERY_METRICS = (
@@ -52,6 +52,39 @@ def _canary_logprobs(logprob_fn, mesh, data_parallel, params, prompt_ids, comple
 def _local_token_logprobs(model_config, params, input_ids, targets):
     hidden = models.hidden_states(model_config, params, input_ids)[0]
     return kernels.token_logprobs(hidden, models.unembed_matrix(model_config, params), targets)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _greedy_then_logprobs(model_config, params, ids, prompt_len):
+    """(g i32[], logp f32[C]): the trainer's greedy token after `ids[:prompt_len]`, then the log-probs
+    (temperature 1) of `ids[prompt_len:]` with its first token replaced by g. `ids` i32[P + C]."""
+    unembed = models.unembed_matrix(model_config, params)
+    last = models.hidden_states(model_config, params, ids[None, :prompt_len])[0, -1]
+    g = jnp.argmax(last.astype(jnp.float32) @ unembed.T.astype(jnp.float32)).astype(ids.dtype)
+    ids = ids.at[prompt_len].set(g)
+    hidden = models.hidden_states(model_config, params, ids[None, :-1])[0]
+    return g, kernels.token_logprobs(hidden, unembed, ids[1:])[prompt_len - 1 :]
+
+
+def speculative_canary(model_config, params, spec, exact: Callable) -> Callable:
+    """The canary's trainer side started before the server is asked: `fn(prompt, completion) -> f32[C]`.
+
+    Dispatches (without waiting) the trainer's forward of `spec.prompt_ids + [g] + spec.completion_ids[1:]`
+    with its own greedy token g, so it runs while the weights are staged and loaded. The canary asks for
+    the server's greedy token first: when it equals g, the answer is that forward's log-probs; otherwise
+    (or for any other tokens) `exact(prompt, completion)` computes them. Either way the values compared
+    with the server's are the trainer's log-probs of exactly the tokens the server scored.
+    """
+    prompt, fixed = list(spec.prompt_ids), list(spec.completion_ids)
+    g, logp = _greedy_then_logprobs(model_config, params, jnp.asarray(prompt + fixed, jnp.int32), len(prompt))
+
+    def answer(prompt_ids, completion_ids) -> np.ndarray:
+        ours = list(prompt_ids) == prompt and list(completion_ids[1:]) == fixed[1:]
+        if ours and len(completion_ids) == len(fixed) and int(completion_ids[0]) == int(g):
+            return np.asarray(logp)
+        return exact(prompt_ids, completion_ids)
+
+    return answer
 
 
 def local_logprobs(model_config, params, prompt_ids, completion_ids) -> np.ndarray:
@@ -156,7 +189,9 @@ class LoopEngine:
 
     def _trainer_logprobs(self, params, host) -> Callable:
         if jax.process_count() == 1:
-            return self._canary(params)
+            return speculative_canary(
+                self._model_config, params, self._engine.syncer.canary, self._canary(params)
+            )
         # the leader alone scores canary tokens, on one local device, from the gathered weights
         return functools.partial(local_logprobs, self._model_config, host)
 
@@ -214,10 +249,18 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
         tcp_host=ws.tcp_host,
         tcp_timeout_s=ws.tcp_timeout_s,
     )
+    place = placement.plan_placement(
+        placement.allowed_cpus(),
+        vc.placement,
+        overlap=cfg.trainer.max_staleness > 0,
+        server_on_host=not vc.urls and jax.process_count() == 1,
+    )
     if vc.urls:
         engine = VLLMEngine.connect(list(vc.urls), cfg.model.path, client_options=client, sync_options=sync)
     else:
         server = ServerOptions(
+            cpus=place.server_cpus,
+            idle_spin_s=vc.idle_spin_s,
             dtype=cfg.model.param_dtype,
             max_model_len=vc.max_model_len,
             block_size=vc.block_size or None,
@@ -235,4 +278,6 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
             client_options=client,
             sync_options=sync,
         )
+    if place.trainer_cpus:  # after the server started: its processes keep the cores they were given
+        placement.pin_process(place.trainer_cpus)
     return LoopEngine(engine, model_config, canary, max_restarts=vc.max_restarts, faults=FaultPlan.from_env())
