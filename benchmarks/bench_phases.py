@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -114,13 +115,18 @@ def offline_generation(cfg, requests) -> tuple[list[float], list]:
     from vllm.inputs import TokensPrompt
 
     from rljax.models import load_tokenizer
+    from rljax.rollout import placement
     from rljax.rollout.server import ServerOptions, server_env
 
     vc, ro = cfg.rollout.vllm, cfg.rollout
-    import os
-
     saved = dict(os.environ)
-    os.environ.update(server_env(ServerOptions(kvcache_space_gib=vc.kvcache_space_gib)))
+    place = placement.plan_placement(
+        placement.allowed_cpus(), vc.placement, overlap=False, server_on_host=True
+    )
+    options = ServerOptions(
+        kvcache_space_gib=vc.kvcache_space_gib, cpus=place.server_cpus, idle_spin_s=vc.idle_spin_s
+    )
+    os.environ.update(server_env(options))  # the loop's server's threads and cores
     eos = int(load_tokenizer(cfg.model.path).eos_token_id)
     llm = LLM(
         cfg.model.path,
@@ -255,11 +261,14 @@ def summarize(sync_rows, async_rows, gen_floor, bare, isolated) -> dict:
         "update_isolated": (float(statistics.median(isolated[0])), u0),
         "generation": (gen, g0),
         "sync_step": (med(sync_rows, "timing/step_s"), g0 + u0),
-        "async_step": (med(async_rows, "timing/step_s"), max(gen, upd + sync)),
-        "async_vs_floors": (med(async_rows, "timing/step_s"), max(g0, u0 + sync)),
     }
+    if async_rows:
+        phases["async_step"] = (med(async_rows, "timing/step_s"), max(gen, upd + sync))
+        phases["async_vs_floors"] = (med(async_rows, "timing/step_s"), max(g0, u0 + sync))
     out = {k: {"seconds": s, "floor_seconds": f, "ratio": s / max(f, 1e-9)} for k, (s, f) in phases.items()}
     for k, t in TARGETS.items():
+        if k not in out:
+            continue
         out[k]["target"] = t
         out[k]["met"] = out[k]["ratio"] <= t
     parts = ("rollout", "batch", "update", "weight_sync")
@@ -277,6 +286,8 @@ def print_table(s: dict, header: str) -> None:
     print(header)
     print(f"{'phase':<16s} {'rljax s':>9s} {'floor s':>9s} {'ratio':>7s}  target")
     for k in ("update", "update_isolated", "generation", "sync_step", "async_step", "async_vs_floors"):
+        if k not in s:
+            continue
         row = s[k]
         tgt = f"<= {row['target']:.2f} {'met' if row['met'] else 'NOT met'}" if "target" in row else ""
         print(f"{k:<16s} {row['seconds']:9.3f} {row['floor_seconds']:9.3f} {row['ratio']:7.2f}  {tgt}")
@@ -295,29 +306,40 @@ def parse_args(argv=None):
     p.add_argument("--tokens-per-row", type=int, default=0, help="packing row; 0: configs/grpo.py's")
     p.add_argument("--repeats", type=int, default=5, help="timed bare / isolated updates")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model (smoke test)")
+    p.add_argument("--skip-async", action="store_true", help="leave out the async loop (one server less)")
     p.add_argument("--json", default="", help="also write the results here")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_model(Path(tmp) / "model", "tiny" if args.tiny else "13m"))
         sync_cfg = loop_config(model, args, 0)
         sync_rows = run_loop(sync_cfg, Path(tmp) / "sync")[args.skip :]
-        async_rows = run_loop(loop_config(model, args, 1), Path(tmp) / "async")[args.skip :]
+        async_rows = []
+        if not args.skip_async:
+            async_rows = run_loop(loop_config(model, args, 1), Path(tmp) / "async")[args.skip :]
         gen_times, sequences = offline_generation(sync_cfg, step_requests(sync_cfg, args.steps))
         bare = bare_update(model, sequences, args.repeats)
         isolated = isolated_update(sync_cfg, sequences, args.repeats)
         params = _count_params(Path(model))
     s = summarize(sync_rows, async_rows, gen_times[args.skip :], bare, isolated)
     s["model_params"] = params
-    s["config"] = vars(args)
+    s["config"] = vars(args) | {"tokens_per_micro_batch": sync_cfg.trainer.tokens_per_micro_batch}
+    s["host"] = {
+        "cpus": len(os.sched_getaffinity(0)),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+    }
     header = (
         f"model {params / 1e6:.1f}M params; {args.batch} completions x <= {args.max_tokens} tokens "
         f"({s['generated_tokens_per_step']:.0f} generated); medians of steps {args.skip + 1}..{args.steps}"
     )
     print_table(s, header)
+    h = s["host"]
+    print(f"host: {h['cpus']} cores, load average (1/5/15 min) {h['loadavg_before']} -> {h['loadavg_after']}")
     if args.json:
         Path(args.json).write_text(json.dumps(s, indent=2))
     return s
