@@ -155,13 +155,44 @@ def offline_generation(cfg, requests) -> tuple[list[float], list]:
             t0 = time.perf_counter()
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
             times.append(time.perf_counter() - t0)
+        idle = idle_cpu_seconds(1.0)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
         os.environ.clear()
         os.environ.update(saved)
-    return times, [(list(o.prompt_token_ids), list(c.token_ids)) for o in outputs for c in o.outputs]
+    return times, [(list(o.prompt_token_ids), list(c.token_ids)) for o in outputs for c in o.outputs], idle
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by this process's descendants that are still running."""
+    ticks, parents, pids = 0, {os.getpid()}, []
+    stats = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(pid)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+    changed = True
+    while changed:
+        changed = False
+        for pid, (ppid, _) in stats.items():
+            if ppid in parents and pid not in parents:
+                parents.add(pid)
+                pids.append(pid)
+                changed = True
+    ticks = sum(stats[p][1] for p in pids)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_seconds(window_s: float) -> float:
+    """CPU seconds the vLLM engine's processes use in the `window_s` right after a generate call returns
+    (an idle engine should use ~0; vLLM's worker alone busy-polls for 1 s unless told otherwise)."""
+    before = _children_cpu_s()
+    time.sleep(window_s)
+    return _children_cpu_s() - before
 
 
 def bare_update(model_path: str, sequences, repeats: int) -> list[float]:
@@ -321,12 +352,13 @@ def main(argv=None) -> dict:
         async_rows = []
         if not args.skip_async:
             async_rows = run_loop(loop_config(model, args, 1), Path(tmp) / "async")[args.skip :]
-        gen_times, sequences = offline_generation(sync_cfg, step_requests(sync_cfg, args.steps))
+        gen_times, sequences, idle_cpu = offline_generation(sync_cfg, step_requests(sync_cfg, args.steps))
         bare = bare_update(model, sequences, args.repeats)
         isolated = isolated_update(sync_cfg, sequences, args.repeats)
         params = _count_params(Path(model))
     s = summarize(sync_rows, async_rows, gen_times[args.skip :], bare, isolated)
     s["model_params"] = params
+    s["offline_engine_cpu_s_in_1s_after_generate"] = idle_cpu
     s["config"] = vars(args) | {"tokens_per_micro_batch": sync_cfg.trainer.tokens_per_micro_batch}
     s["host"] = {
         "cpus": len(os.sched_getaffinity(0)),
@@ -338,6 +370,7 @@ def main(argv=None) -> dict:
         f"({s['generated_tokens_per_step']:.0f} generated); medians of steps {args.skip + 1}..{args.steps}"
     )
     print_table(s, header)
+    print(f"offline engine: {idle_cpu:.2f} CPU s used in the 1 s after its last generate (idle spin)")
     h = s["host"]
     print(f"host: {h['cpus']} cores, load average (1/5/15 min) {h['loadavg_before']} -> {h['loadavg_after']}")
     if args.json:
