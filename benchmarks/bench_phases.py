@@ -68,7 +68,13 @@ def loop_config(model_path: str, args, max_staleness: int):
             cfg,
             model=dataclasses.replace(cfg.model, path=model_path),
             rollout=dataclasses.replace(
-                cfg.rollout, batch_size=args.batch, group_size=args.group, max_tokens=args.max_tokens
+                cfg.rollout,
+                batch_size=args.batch,
+                group_size=args.group,
+                max_tokens=args.max_tokens,
+                vllm=dataclasses.replace(
+                    cfg.rollout.vllm, placement=args.placement, idle_spin_s=args.idle_spin_s
+                ),
             ),
             trainer=dataclasses.replace(
                 cfg.trainer,
@@ -338,6 +344,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="timed bare / isolated updates")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model (smoke test)")
     p.add_argument("--skip-async", action="store_true", help="leave out the async loop (one server less)")
+    p.add_argument("--placement", default="auto", help="rollout.vllm.placement: auto, none, split")
+    p.add_argument("--idle-spin-s", type=float, default=0.0, help="rollout.vllm.idle_spin_s (vLLM's own: 1)")
     p.add_argument("--json", default="", help="also write the results here")
     return p.parse_args(argv)
 
