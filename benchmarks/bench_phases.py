@@ -340,7 +340,13 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=32, help="completions per step")
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--tokens-per-row", type=int, default=0, help="packing row; 0: configs/grpo.py's")
+    p.add_argument(
+        "--tokens-per-row",
+        type=int,
+        default=160,
+        help="trainer.tokens_per_micro_batch (0: configs/grpo.py's 64); 160 holds 4 of the task's "
+        "37-39 token sequences (pad ~0.05; 64 holds one: pad ~0.41)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed bare / isolated updates")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model (smoke test)")
     p.add_argument("--skip-async", action="store_true", help="leave out the async loop (one server less)")
