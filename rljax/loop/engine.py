@@ -126,6 +126,7 @@ class LoopEngine:
         self._current: tuple[Any, int] | None = None  # (host copy of the last pushed params, version)
         self._stats: dict[str, float] = dict.fromkeys(RECOVERY_METRICS, 0.0)
         self._stats_lock = threading.Lock()
+        self.unpin_cpus: tuple[int, ...] = ()  # set when make_engine pinned this process (host placement)
 
     def generate(self, prompts, **sampling):
         faults = self._faults.next_call("generate")
@@ -232,6 +233,8 @@ class LoopEngine:
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
+        if self.unpin_cpus:  # the trainer's threads get back the cores they had before the server started
+            placement.pin_process(self.unpin_cpus)
 
 
 def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: int) -> LoopEngine:
@@ -278,6 +281,10 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
             client_options=client,
             sync_options=sync,
         )
+    loop_engine = LoopEngine(
+        engine, model_config, canary, max_restarts=vc.max_restarts, faults=FaultPlan.from_env()
+    )
     if place.trainer_cpus:  # after the server started: its processes keep the cores they were given
+        loop_engine.unpin_cpus = placement.allowed_cpus()  # restored by close()
         placement.pin_process(place.trainer_cpus)
-    return LoopEngine(engine, model_config, canary, max_restarts=vc.max_restarts, faults=FaultPlan.from_env())
+    return loop_engine
