@@ -116,3 +116,22 @@ def test_speculative_canary_equals_the_exact_trainer_logprobs(tiny_model):
         atol=1e-6,
     )
     assert calls == [other]
+
+
+def test_loop_engine_close_gives_the_cores_back():
+    code = textwrap.dedent(
+        """
+        import os
+        from rljax.loop.engine import LoopEngine
+        from rljax.rollout import placement
+        everything = placement.allowed_cpus()
+        engine = LoopEngine(None, None, None)
+        engine.unpin_cpus = everything
+        placement.pin_process(everything[-1:])   # what make_engine does in async mode
+        pinned = placement.allowed_cpus()
+        engine.close()
+        print(pinned == everything[-1:], placement.allowed_cpus() == everything)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]
