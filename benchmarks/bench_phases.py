@@ -351,7 +351,7 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model (smoke test)")
     p.add_argument("--skip-async", action="store_true", help="leave out the async loop (one server less)")
     p.add_argument("--placement", default="auto", help="rollout.vllm.placement: auto, none, split")
-    p.add_argument("--idle-spin-s", type=float, default=0.0, help="rollout.vllm.idle_spin_s (vLLM's own: 1)")
+    p.add_argument("--idle-spin-s", type=float, default=0.002, help="rollout.vllm.idle_spin_s (vLLM's: 1)")
     p.add_argument("--json", default="", help="also write the results here")
     return p.parse_args(argv)
 

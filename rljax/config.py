@@ -97,7 +97,9 @@ class VLLMConfig:
     # generation overlaps the update (max_staleness > 0) and leaves the trainer all cores in sync mode;
     # none: vLLM's own binding, trainer unpinned; split: the async split always.
     placement: str = _choice("auto", "auto", "none", "split")
-    idle_spin_s: float = 0.0  # an idle vLLM worker's busy-poll before sleeping (vLLM's own: 1 s)
+    # An idle vLLM worker's busy-poll before it sleeps (vLLM's own: 1 s, a core the trainer then lacks);
+    # a few ms still cover the gap between decode steps.
+    idle_spin_s: float = 0.002
 
 
 @dataclass(frozen=True)

@@ -74,14 +74,16 @@ def test_quiet_idle_spin_lowers_vllms_busy_loop():
         """
         from rljax.rollout import placement
         from vllm.distributed.device_communicators import shm_broadcast
-        before = shm_broadcast.SpinCondition.__init__.__defaults__
+        sb = shm_broadcast
+        before = sb.SpinCondition.__init__.__defaults__[0], sb.SHM_READER_RECHECK_INTERVAL_MS
         placement.quiet_idle_spin()
-        print(before[0], shm_broadcast.SpinCondition.__init__.__defaults__[0])
+        after = sb.SpinCondition.__init__.__defaults__[0], sb.SHM_READER_RECHECK_INTERVAL_MS
+        print(*before, *after)
         """
     )
-    env = dict(os.environ, **{placement.IDLE_SPIN_ENV: "0.0"})
+    env = dict(os.environ, **{placement.IDLE_SPIN_ENV: "0.002"})
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert [float(x) for x in out.stdout.split()] == [1.0, 0.0]
+    assert [float(x) for x in out.stdout.split()] == [1.0, 5000, 0.002, placement.IDLE_RECHECK_MS]
 
 
 @pytest.fixture(scope="module")

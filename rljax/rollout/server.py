@@ -57,7 +57,7 @@ class ServerOptions:
     # Thread placement (`rljax.rollout.placement`): the worker's OpenMP cores (() = vLLM's own binding) and
     # how long an idle worker busy-polls before sleeping (vLLM's own is 1 s, a core taken from the trainer).
     cpus: tuple[int, ...] = ()
-    idle_spin_s: float = 0.0
+    idle_spin_s: float = 0.002
 
 
 def _die_with_parent() -> None:
