@@ -313,6 +313,13 @@ def summarize(sync_rows, async_rows, gen_floor, bare, isolated) -> dict:
     out["sync_loop_parts_s"] |= {
         k: med(sync_rows, f"weight_sync/{k}") for k in ("stage_seconds", "pause_seconds", "engine_seconds")
     }
+    keys = ("timing/step_s", "rollout/seconds", "timing/update_s", "weight_sync/seconds")
+    out["per_step"] = {
+        mode: {k: [r.get(k, 0.0) for r in rows] for k in keys}
+        for mode, rows in (("sync", sync_rows), ("async", async_rows))
+    }
+    out["per_step"]["generation_floor"], out["per_step"]["bare_update"] = list(gen_floor), list(bare)
+    out["per_step"]["update_isolated"] = list(isolated[0])
     out["batch/pad_fraction"] = med(sync_rows, "batch/pad_fraction")
     out["batch/pad_fraction_isolated"] = isolated[1]
     out["generated_tokens_per_step"] = med(sync_rows, "rollout/generated_tokens")
