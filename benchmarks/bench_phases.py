@@ -1,28 +1,22 @@
 """Each phase of an RL step against its floor, in one run: where rljax does work beyond generation + update.
 
-Builds a random-init Qwen2 checkpoint (default: vocab 4096, hidden 256, 12 layers, ~12.9M parameters) and
-runs, in this order, in one process:
+Builds a random-init Qwen2 (default: vocab 4096, hidden 256, 12 layers, 12.9M parameters) and runs, in one
+process: (1) the real loop in sync mode (vLLM CPU server, rewards, packing, weight sync with the canary),
+`--steps` steps of `--batch` completions x `--max-tokens` tokens of the arithmetic task; (2) the same loop
+in async mode (`trainer.max_staleness=1`); (3) the generation floor: vLLM's offline `LLM.generate` on the
+same requests (prompts, n, temperature, max tokens, stop tokens, per-request seeds, dtype, KV block, eager,
+sampled-token log-probs, cores); (4) the update floor: a bare jitted `jax.value_and_grad` + optax AdamW
+step on the same model and the same real tokens without padding (sequences grouped by exact length, one
+`[n, len]` array each, loss -mean(A * logp) over completion tokens); rljax's update is also timed outside
+the loop on that batch (`update_isolated`).
 
-1. the real loop in sync mode (real vLLM CPU server, rewards, packing, weight sync with the canary) for
-   `--steps` steps of `--batch` completions x `--max-tokens` tokens, the arithmetic task;
-2. the same loop in async mode (`trainer.max_staleness=1`);
-3. floor of generation: vLLM's offline `LLM.generate` on the same requests (the same prompts of every
-   step, n = group size, temperature, max tokens, stop tokens, per-request seeds, dtype, KV block size,
-   eager mode, log-probs of the sampled tokens);
-4. floor of the update: a bare jitted `jax.value_and_grad` + optax AdamW step on the same model and the
-   same real tokens (the offline completions), without padding: the sequences are grouped by exact
-   length, one `[n, len]` array per length, and the loss is -mean(A * logp) over completion tokens.
-   rljax's update is also timed outside the loop on that batch (`update_isolated`).
-
-Ratios (steps after `--skip`, medians; absolute seconds beside them):
-  update        = loop timing/update_s              vs bare update
-  generation    = loop rollout/seconds              vs offline LLM.generate
-  sync step     = loop timing/step_s                vs generation floor + bare update
-  async step    = async loop timing/step_s          vs max(generation, update + sync), from the sync loop
-  (async_vs_floors: vs max(generation floor, bare update + sync))
+Ratios (medians of the steps after `--skip`, absolute seconds beside them):
+  update = loop timing/update_s vs bare update;  generation = loop rollout/seconds vs offline generate;
+  sync step = loop timing/step_s vs generation floor + bare update;
+  async step = async loop timing/step_s vs max(generation, update + sync) of the sync loop
+  (async_vs_floors: vs max(generation floor, bare update + sync)).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_phases.py [--steps 10] [--skip 3] [--json out.json]
-    (`--tiny`: a 2-layer, 64-wide model and small batches, for the smoke test)
 """
 
 from __future__ import annotations
@@ -173,7 +167,6 @@ def offline_generation(cfg, requests) -> tuple[list[float], list]:
 
 def _children_cpu_s() -> float:
     """CPU seconds (user + system) used so far by this process's descendants that are still running."""
-    ticks, parents, pids = 0, {os.getpid()}, []
     stats = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -181,16 +174,11 @@ def _children_cpu_s() -> float:
         except OSError:
             continue
         stats[int(pid)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
-    changed = True
-    while changed:
-        changed = False
-        for pid, (ppid, _) in stats.items():
-            if ppid in parents and pid not in parents:
-                parents.add(pid)
-                pids.append(pid)
-                changed = True
-    ticks = sum(stats[p][1] for p in pids)
-    return ticks / os.sysconf("SC_CLK_TCK")
+    family, size = {os.getpid()}, 0
+    while len(family) != size:  # add children of the family until it stops growing
+        size = len(family)
+        family |= {pid for pid, (ppid, _) in stats.items() if ppid in family}
+    return sum(stats[p][1] for p in family - {os.getpid()}) / os.sysconf("SC_CLK_TCK")
 
 
 def idle_cpu_seconds(window_s: float) -> float:
