@@ -11,7 +11,7 @@ import pytest
 
 from rljax import config as C
 from rljax import models
-from rljax.loop.engine import local_logprobs, speculative_canary
+from rljax.loop.engine import SpeculativeCanary, local_logprobs
 from rljax.rollout import placement
 from rljax.rollout.server import ServerOptions, server_env
 from rljax.weight_sync.canary import make_canary
@@ -103,14 +103,14 @@ def test_speculative_canary_equals_the_exact_trainer_logprobs(tiny_model):
         calls.append(list(c))
         return local_logprobs(config, params, p, c)
 
-    answer = speculative_canary(config, params, spec, exact)
+    answer = SpeculativeCanary(config, params, spec, exact)
     ids = jnp.asarray([list(spec.prompt_ids)], jnp.int32)
     logits = models.hidden_states(config, params, ids)[0, -1] @ models.unembed_matrix(config, params).T
     g = int(jnp.argmax(logits))
     matching = [g, *spec.completion_ids[1:]]
     got = answer(list(spec.prompt_ids), matching)
     np.testing.assert_allclose(got, local_logprobs(config, params, spec.prompt_ids, matching), atol=1e-5)
-    assert calls == []  # answered from the forward started early
+    assert calls == [] and answer.answered_early  # answered from the forward started early
     other = [(g + 1) % config.vocab_size, *spec.completion_ids[1:]]  # the server chose another token
     np.testing.assert_allclose(
         answer(list(spec.prompt_ids), other),

@@ -66,25 +66,29 @@ def _greedy_then_logprobs(model_config, params, ids, prompt_len):
     return g, kernels.token_logprobs(hidden, unembed, ids[1:])[prompt_len - 1 :]
 
 
-def speculative_canary(model_config, params, spec, exact: Callable) -> Callable:
-    """The canary's trainer side started before the server is asked: `fn(prompt, completion) -> f32[C]`.
+class SpeculativeCanary:
+    """The canary's trainer side started before the server is asked: `self(prompt, completion) -> f32[C]`.
 
     Dispatches (without waiting) the trainer's forward of `spec.prompt_ids + [g] + spec.completion_ids[1:]`
     with its own greedy token g, so it runs while the weights are staged and loaded. The canary asks for
-    the server's greedy token first: when it equals g, the answer is that forward's log-probs; otherwise
-    (or for any other tokens) `exact(prompt, completion)` computes them. Either way the values compared
-    with the server's are the trainer's log-probs of exactly the tokens the server scored.
+    the server's greedy token first: when it equals g, the answer is that forward's log-probs
+    (`answered_early`); otherwise (or for any other tokens) `exact(prompt, completion)` computes them.
+    Either way the values compared with the server's are the trainer's log-probs of exactly the tokens
+    the server scored.
     """
-    prompt, fixed = list(spec.prompt_ids), list(spec.completion_ids)
-    g, logp = _greedy_then_logprobs(model_config, params, jnp.asarray(prompt + fixed, jnp.int32), len(prompt))
 
-    def answer(prompt_ids, completion_ids) -> np.ndarray:
-        ours = list(prompt_ids) == prompt and list(completion_ids[1:]) == fixed[1:]
-        if ours and len(completion_ids) == len(fixed) and int(completion_ids[0]) == int(g):
-            return np.asarray(logp)
-        return exact(prompt_ids, completion_ids)
+    def __init__(self, model_config, params, spec, exact: Callable):
+        self._prompt, self._fixed, self._exact = list(spec.prompt_ids), list(spec.completion_ids), exact
+        ids = jnp.asarray(self._prompt + self._fixed, jnp.int32)
+        self._g, self._logp = _greedy_then_logprobs(model_config, params, ids, len(self._prompt))
+        self.answered_early = False
 
-    return answer
+    def __call__(self, prompt_ids, completion_ids) -> np.ndarray:
+        ours = list(prompt_ids) == self._prompt and list(completion_ids[1:]) == self._fixed[1:]
+        if ours and len(completion_ids) == len(self._fixed) and int(completion_ids[0]) == int(self._g):
+            self.answered_early = True
+            return np.asarray(self._logp)
+        return self._exact(prompt_ids, completion_ids)
 
 
 def local_logprobs(model_config, params, prompt_ids, completion_ids) -> np.ndarray:
@@ -190,7 +194,7 @@ class LoopEngine:
 
     def _trainer_logprobs(self, params, host) -> Callable:
         if jax.process_count() == 1:
-            return speculative_canary(
+            return SpeculativeCanary(
                 self._model_config, params, self._engine.syncer.canary, self._canary(params)
             )
         # the leader alone scores canary tokens, on one local device, from the gathered weights
@@ -223,6 +227,8 @@ class LoopEngine:
                 self._epoch += 1
 
             metrics = self._with_recovery(op, recover, "weight sync")
+            if isinstance(logprobs, SpeculativeCanary):
+                metrics["weight_sync/canary_early_forward"] = float(logprobs.answered_early)
             if self._max_restarts > 0:  # the host copy a later recovery re-pushes (params get donated)
                 self._current = (host if jax.process_count() > 1 else jax.tree.map(np.array, params), version)
         return metrics | self._drain_stats()
