@@ -298,10 +298,8 @@ def summarize(sync_rows, async_rows, gen_floor, bare, isolated) -> dict:
         out[k]["met"] = out[k]["ratio"] <= t
     parts = ("rollout", "batch", "update", "weight_sync")
     out["sync_loop_parts_s"] = {p: med(sync_rows, f"timing/{p}_s") for p in parts}
-    out["sync_loop_parts_s"] |= {
-        k: med(sync_rows, f"weight_sync/{k}")
-        for k in ("stage_seconds", "pause_seconds", "engine_seconds", "canary_early_forward")
-    }
+    parts = ("stage_seconds", "pause_seconds", "engine_seconds", "canary_early_forward")
+    out["sync_loop_parts_s"] |= {k: med(sync_rows, f"weight_sync/{k}") for k in parts}
     keys = ("timing/step_s", "rollout/seconds", "timing/update_s", "weight_sync/seconds")
     out["per_step"] = {
         mode: {k: [r.get(k, 0.0) for r in rows] for k in keys}
