@@ -101,6 +101,13 @@ class VLLMConfig:
     max_retries: int = 2
     max_restarts: int = 3  # restarts of a dead/hung server (re-sync, resubmit) before the run stops
     extra_args: tuple = ()
+    # Cores of an owned server and the trainer on one host (rljax.rollout.placement): auto splits them when
+    # generation overlaps the update (max_staleness > 0) and leaves the trainer all cores in sync mode;
+    # none: vLLM's own binding, trainer unpinned; split: the async split always.
+    placement: str = _choice("auto", "auto", "none", "split")
+    # An idle vLLM worker's busy-poll before it sleeps (vLLM's own: 1 s, a core the trainer then lacks);
+    # a few ms still cover the gap between decode steps.
+    idle_spin_s: float = 0.002
 
 
 @dataclass(frozen=True)
@@ -548,6 +555,8 @@ def validate(cfg: Config) -> Config:
     for key in ("max_retries", "max_restarts"):
         if getattr(ro.vllm, key) < 0:
             raise ConfigError(f"rollout.vllm.{key}", f"must be >= 0, got {getattr(ro.vllm, key)}")
+    if ro.vllm.idle_spin_s < 0:
+        raise ConfigError("rollout.vllm.idle_spin_s", f"must be >= 0, got {ro.vllm.idle_spin_s}")
     if not ro.vllm.request_timeout_s > 0:
         raise ConfigError("rollout.vllm.request_timeout_s", f"must be > 0, got {ro.vllm.request_timeout_s}")
     if not (ro.vllm.urls or ro.vllm.allow_remote or is_loopback_host(ro.vllm.host)):

@@ -23,7 +23,7 @@ from rljax.config import Config
 from rljax.loop.distributed import host_params, is_leader, to_host
 from rljax.loop.recovery import FaultPlan, call_with_recovery, kill_halfway, kill_when_running
 from rljax.loop.trajectory import Trajectory, build_loss_inputs
-from rljax.rollout import ClientOptions, ServerOptions, VLLMEngine
+from rljax.rollout import ClientOptions, ServerOptions, VLLMEngine, placement
 from rljax.rollout.auth import read_token_file
 from rljax.weight_sync import SyncOptions
 
@@ -53,6 +53,43 @@ def _canary_logprobs(logprob_fn, mesh, data_parallel, params, prompt_ids, comple
 def _local_token_logprobs(model_config, params, input_ids, targets):
     hidden = models.hidden_states(model_config, params, input_ids)[0]
     return kernels.token_logprobs(hidden, models.unembed_matrix(model_config, params), targets)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _greedy_then_logprobs(model_config, params, ids, prompt_len):
+    """(g i32[], logp f32[C]): the trainer's greedy token after `ids[:prompt_len]`, then the log-probs
+    (temperature 1) of `ids[prompt_len:]` with its first token replaced by g. `ids` i32[P + C]."""
+    unembed = models.unembed_matrix(model_config, params)
+    last = models.hidden_states(model_config, params, ids[None, :prompt_len])[0, -1]
+    g = jnp.argmax(last.astype(jnp.float32) @ unembed.T.astype(jnp.float32)).astype(ids.dtype)
+    ids = ids.at[prompt_len].set(g)
+    hidden = models.hidden_states(model_config, params, ids[None, :-1])[0]
+    return g, kernels.token_logprobs(hidden, unembed, ids[1:])[prompt_len - 1 :]
+
+
+class SpeculativeCanary:
+    """The canary's trainer side started before the server is asked: `self(prompt, completion) -> f32[C]`.
+
+    Dispatches (without waiting) the trainer's forward of `spec.prompt_ids + [g] + spec.completion_ids[1:]`
+    with its own greedy token g, so it runs while the weights are staged and loaded. The canary asks for
+    the server's greedy token first: when it equals g, the answer is that forward's log-probs
+    (`answered_early`); otherwise (or for any other tokens) `exact(prompt, completion)` computes them.
+    Either way the values compared with the server's are the trainer's log-probs of exactly the tokens
+    the server scored.
+    """
+
+    def __init__(self, model_config, params, spec, exact: Callable):
+        self._prompt, self._fixed, self._exact = list(spec.prompt_ids), list(spec.completion_ids), exact
+        ids = jnp.asarray(self._prompt + self._fixed, jnp.int32)
+        self._g, self._logp = _greedy_then_logprobs(model_config, params, ids, len(self._prompt))
+        self.answered_early = False
+
+    def __call__(self, prompt_ids, completion_ids) -> np.ndarray:
+        ours = list(prompt_ids) == self._prompt and list(completion_ids[1:]) == self._fixed[1:]
+        if ours and len(completion_ids) == len(self._fixed) and int(completion_ids[0]) == int(self._g):
+            self.answered_early = True
+            return np.asarray(self._logp)
+        return self._exact(prompt_ids, completion_ids)
 
 
 def local_logprobs(model_config, params, prompt_ids, completion_ids) -> np.ndarray:
@@ -94,6 +131,7 @@ class LoopEngine:
         self._current: tuple[Any, int] | None = None  # (host copy of the last pushed params, version)
         self._stats: dict[str, float] = dict.fromkeys(RECOVERY_METRICS, 0.0)
         self._stats_lock = threading.Lock()
+        self.unpin_cpus: tuple[int, ...] = ()  # set when make_engine pinned this process (host placement)
 
     def generate(self, prompts, **sampling):
         faults = self._faults.next_call("generate")
@@ -157,7 +195,9 @@ class LoopEngine:
 
     def _trainer_logprobs(self, params, host) -> Callable:
         if jax.process_count() == 1:
-            return self._canary(params)
+            return SpeculativeCanary(
+                self._model_config, params, self._engine.syncer.canary, self._canary(params)
+            )
         # the leader alone scores canary tokens, on one local device, from the gathered weights
         return functools.partial(local_logprobs, self._model_config, host)
 
@@ -188,6 +228,8 @@ class LoopEngine:
                 self._epoch += 1
 
             metrics = self._with_recovery(op, recover, "weight sync")
+            if isinstance(logprobs, SpeculativeCanary):
+                metrics["weight_sync/canary_early_forward"] = float(logprobs.answered_early)
             if self._max_restarts > 0:  # the host copy a later recovery re-pushes (params get donated)
                 self._current = (host if jax.process_count() > 1 else jax.tree.map(np.array, params), version)
         return metrics | self._drain_stats()
@@ -198,6 +240,8 @@ class LoopEngine:
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
+        if self.unpin_cpus:  # the trainer's threads get back the cores they had before the server started
+            placement.pin_process(self.unpin_cpus)
 
 
 def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: int) -> LoopEngine:
@@ -215,6 +259,12 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
         tcp_host=ws.tcp_host,
         tcp_timeout_s=ws.tcp_timeout_s,
     )
+    place = placement.plan_placement(
+        placement.allowed_cpus(),
+        vc.placement,
+        overlap=cfg.trainer.max_staleness > 0,
+        server_on_host=not vc.urls and jax.process_count() == 1,
+    )
     if vc.urls:
         token = read_token_file(vc.token_file) if vc.token_file else None  # servers started elsewhere
         engine = VLLMEngine.connect(
@@ -222,6 +272,8 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
         )
     else:
         server = ServerOptions(
+            cpus=place.server_cpus,
+            idle_spin_s=vc.idle_spin_s,
             dtype=cfg.model.param_dtype,
             max_model_len=vc.max_model_len,
             block_size=vc.block_size or None,
@@ -240,4 +292,10 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
             client_options=client,
             sync_options=sync,
         )
-    return LoopEngine(engine, model_config, canary, max_restarts=vc.max_restarts, faults=FaultPlan.from_env())
+    loop_engine = LoopEngine(
+        engine, model_config, canary, max_restarts=vc.max_restarts, faults=FaultPlan.from_env()
+    )
+    if place.trainer_cpus:  # after the server started: its processes keep the cores they were given
+        loop_engine.unpin_cpus = placement.allowed_cpus()  # restored by close()
+        placement.pin_process(place.trainer_cpus)
+    return loop_engine

@@ -168,6 +168,9 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("optim/steps", "count", "sum", "Optimizer updates run in the step (epochs x minibatches)."),
     ("optim/nonfinite", "count", "sum", "Updates in the step whose loss or gradient was not finite."),
     ("weight_sync/stage_seconds", "s", "sum", "Device-to-host staging into buckets (before the pause)."),
+    ("weight_sync/canary_early_forward", "fraction", "mean",
+     "1 when the canary's trainer log-probs came from the forward started before the push (the server's "
+     "greedy token was the trainer's), 0 when they were computed after the server answered."),
     ("weight_sync/engine_seconds", "s", "sum",
      "Part of the pause spent in the engine's own post-processing (e.g. CPU weight repacking)."),
     ("recovery/restarts", "count", "sum",

@@ -32,7 +32,7 @@ from pathlib import Path
 import requests
 
 from rljax.config import is_loopback_host
-from rljax.rollout import auth
+from rljax.rollout import auth, placement
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, STAGING_DIR_ENV
 
 
@@ -60,6 +60,10 @@ class ServerOptions:
     extra_env: tuple[tuple[str, str], ...] = ()
     allow_remote: bool = False  # True: a non-loopback host is allowed (the token still guards every route)
     staging_dir: str = DEFAULT_STAGING_DIR  # shm transport: the only directory the workers map buckets from
+    # Thread placement (`rljax.rollout.placement`): the worker's OpenMP cores (() = vLLM's own binding) and
+    # how long an idle worker busy-polls before sleeping (vLLM's own is 1 s, a core taken from the trainer).
+    cpus: tuple[int, ...] = ()
+    idle_spin_s: float = 0.002
 
 
 def _die_with_parent() -> None:
@@ -71,6 +75,12 @@ def _die_with_parent() -> None:
     # The trainer's preemption signal (SIGUSR1, which Slurm may deliver to every process of the step) is
     # for the trainer: the server must keep serving until the trainer has saved and stops it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # A trainer pinned to its own cores (`placement.pin_process`) must not pass that mask to a server it
+    # restarts: vLLM places its threads within the cores it is allowed.
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError:
+        pass
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
     except OSError:  # not Linux: fall back to the explicit stop() paths
@@ -122,7 +132,8 @@ def server_command(model_path: str, host: str, port: int, options: ServerOptions
 
 
 def server_env(options: ServerOptions) -> dict[str, str]:
-    """The child's environment: dev-mode RL endpoints on, CPU KV cache bounded, no JAX device flags."""
+    """The child's environment: dev-mode RL endpoints on, CPU KV cache bounded, no JAX device flags, the
+    worker's cores and idle spin (`rljax.rollout.placement`)."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the parent's simulated JAX devices mean nothing to vLLM
     env |= {
@@ -130,6 +141,7 @@ def server_env(options: ServerOptions) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": str(options.kvcache_space_gib),
         "TOKENIZERS_PARALLELISM": "false",
     }
+    env |= placement.server_thread_env(placement.Placement(server_cpus=options.cpus), options.idle_spin_s)
     return env | dict(options.extra_env)
 
 

@@ -19,6 +19,10 @@ def register() -> None:
     """Adds rljax's backends to `WeightTransferEngineFactory` (a no-op for names already present)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    from rljax.rollout.placement import quiet_idle_spin
+
+    quiet_idle_spin()  # idle workers sleep instead of spinning on a core the trainer needs
+
     for name, (module, cls) in BACKENDS.items():
         if name not in WeightTransferEngineFactory._registry:
             WeightTransferEngineFactory.register_engine(name, module, cls)

@@ -1,0 +1,399 @@
+"""Each phase of an RL step against its floor, in one run: where rljax does work beyond generation + update.
+
+Builds a random-init Qwen2 (default: vocab 4096, hidden 256, 12 layers, 12.9M parameters) and runs, in one
+process: (1) the real loop in sync mode (vLLM CPU server, rewards, packing, weight sync with the canary),
+`--steps` steps of `--batch` completions x `--max-tokens` tokens of the arithmetic task; (2) the same loop
+in async mode (`trainer.max_staleness=1`); (3) the generation floor: vLLM's offline `LLM.generate` on the
+same requests (prompts, n, temperature, max tokens, stop tokens, per-request seeds, dtype, KV block, eager,
+sampled-token log-probs, cores); (4) the update floor: a bare jitted `jax.value_and_grad` + optax AdamW
+step on the same model and the same real tokens without padding (sequences grouped by exact length, one
+`[n, len]` array each, loss -mean(A * logp) over completion tokens); rljax's update is also timed outside
+the loop on that batch (`update_isolated`).
+
+Ratios (medians of the steps after `--skip`, absolute seconds beside them):
+  update = loop timing/update_s vs bare update;  generation = loop rollout/seconds vs offline generate;
+  sync step = loop timing/step_s vs generation floor + bare update;
+  async step = async loop timing/step_s vs max(generation, update + sync) of the sync loop
+  (async_vs_floors: vs max(generation floor, bare update + sync)).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_phases.py [--steps 10] [--skip 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+TARGETS = {"update": 1.15, "generation": 1.2, "sync_step": 1.15, "async_step": 1.1}
+MODELS = {
+    "13m": dict(
+        vocab_size=4096, hidden_size=256, num_layers=12, num_heads=4, num_kv_heads=2, intermediate_size=1024
+    ),
+    "tiny": dict(
+        vocab_size=512, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128
+    ),
+}
+
+
+def build_model(path: Path, size: str) -> Path:
+    from rljax.models.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(path, "qwen2", init_std=0.02, **MODELS[size])
+
+
+def loop_config(model_path: str, args, max_staleness: int):
+    """The default job (configs/grpo.py) on the bench model and batch; no eval, no checkpoints."""
+    from configs import grpo
+    from rljax import config as C
+
+    cfg = C.from_config_dict(grpo.get_config())
+    rows = args.tokens_per_row or cfg.trainer.tokens_per_micro_batch
+    return C.validate(
+        dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, path=model_path),
+            rollout=dataclasses.replace(
+                cfg.rollout,
+                batch_size=args.batch,
+                group_size=args.group,
+                max_tokens=args.max_tokens,
+                vllm=dataclasses.replace(
+                    cfg.rollout.vllm, placement=args.placement, idle_spin_s=args.idle_spin_s
+                ),
+            ),
+            trainer=dataclasses.replace(
+                cfg.trainer,
+                steps=args.steps,
+                eval_every=0,
+                max_staleness=max_staleness,
+                tokens_per_micro_batch=max(rows, args.max_tokens + 1),
+            ),
+            checkpoint=dataclasses.replace(cfg.checkpoint, enabled=False),
+            data=dataclasses.replace(cfg.data, eval_size=8),
+            metrics=dataclasses.replace(cfg.metrics, console=False, tensorboard=False),
+        )
+    )
+
+
+def run_loop(cfg, workdir: Path) -> list[dict]:
+    """Runs `rljax.loop.train` and returns its metrics.jsonl rows (one per step)."""
+    from rljax.loop.train import train
+
+    train(cfg, str(workdir))
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "timing/step_s" in r]
+
+
+def step_requests(cfg, steps: int) -> list[tuple[list[list[int]], int]]:
+    """(prompt ids, base seed) per step: the prompts the loop drew (`PromptStream` order, sync mode)."""
+    from rljax.loop.data_setup import PromptStream, load_examples
+    from rljax.models import load_tokenizer
+
+    tok = load_tokenizer(cfg.model.path)
+    stream = PromptStream(load_examples(cfg.data)[0], seed=cfg.data.seed)
+    need = cfg.rollout.batch_size // cfg.rollout.group_size
+    out = []
+    for step in range(steps):
+        texts = [cfg.data.template.format(**ex) for ex in stream.next_examples(need)]
+        ids = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        out.append((ids, cfg.trainer.seed * 1_000_003 + step * 101))  # rollout_phase.select_groups
+    return out
+
+
+def offline_generation(cfg, requests) -> tuple[list[float], list]:
+    """Seconds of `LLM.generate` per step and the last step's outputs, with the server's settings."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rljax.models import load_tokenizer
+    from rljax.rollout import placement
+    from rljax.rollout.server import ServerOptions, server_env
+
+    vc, ro = cfg.rollout.vllm, cfg.rollout
+    saved = dict(os.environ)
+    place = placement.plan_placement(
+        placement.allowed_cpus(), vc.placement, overlap=False, server_on_host=True
+    )
+    options = ServerOptions(
+        kvcache_space_gib=vc.kvcache_space_gib, cpus=place.server_cpus, idle_spin_s=vc.idle_spin_s
+    )
+    os.environ.update(server_env(options))  # the loop's server's threads and cores
+    eos = int(load_tokenizer(cfg.model.path).eos_token_id)
+    llm = LLM(
+        cfg.model.path,
+        dtype=cfg.model.param_dtype,
+        max_model_len=vc.max_model_len,
+        block_size=vc.block_size,
+        gpu_memory_utilization=vc.gpu_memory_utilization,
+        seed=cfg.trainer.seed,
+        enforce_eager=True,
+        logprobs_mode="processed_logprobs",
+    )
+    times, outputs = [], None
+    try:
+        for ids, seed in requests:
+            params = [
+                SamplingParams(
+                    n=ro.group_size,
+                    temperature=ro.temperature,
+                    max_tokens=ro.max_tokens,
+                    stop_token_ids=[eos],
+                    logprobs=0,
+                    seed=seed + i * ro.group_size,
+                )
+                for i in range(len(ids))
+            ]
+            t0 = time.perf_counter()
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+            times.append(time.perf_counter() - t0)
+        idle = idle_cpu_seconds(1.0)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        os.environ.clear()
+        os.environ.update(saved)
+    return times, [(list(o.prompt_token_ids), list(c.token_ids)) for o in outputs for c in o.outputs], idle
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by this process's descendants that are still running."""
+    stats = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(pid)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+    family, size = {os.getpid()}, 0
+    while len(family) != size:  # add children of the family until it stops growing
+        size = len(family)
+        family |= {pid for pid, (ppid, _) in stats.items() if ppid in family}
+    return sum(stats[p][1] for p in family - {os.getpid()}) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_seconds(window_s: float) -> float:
+    """CPU seconds the vLLM engine's processes use in the `window_s` right after a generate call returns
+    (an idle engine should use ~0; vLLM's worker alone busy-polls for 1 s unless told otherwise)."""
+    before = _children_cpu_s()
+    time.sleep(window_s)
+    return _children_cpu_s() - before
+
+
+def bare_update(model_path: str, sequences, repeats: int) -> list[float]:
+    """Seconds per bare value_and_grad + AdamW step on `sequences` [(prompt, completion)], no padding."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from rljax import models
+
+    config, params = models.load_hf_checkpoint(model_path, dtype=jnp.float32)
+    by_len: dict[int, list] = {}
+    rng = np.random.default_rng(0)
+    for p, c in sequences:
+        by_len.setdefault(len(p) + len(c), []).append((p + c, len(p)))
+    groups = []
+    for length, items in sorted(by_len.items()):
+        ids = np.asarray([s for s, _ in items], np.int32)
+        mask = np.asarray([[float(t >= n - 1) for t in range(length - 1)] for _, n in items], np.float32)
+        groups.append((ids, mask, rng.standard_normal(len(items)).astype(np.float32)))
+    total = sum(float(m.sum()) for _, m, _ in groups)
+
+    def loss_fn(params, groups):
+        out = 0.0
+        for ids, mask, adv in groups:
+            hidden = models.hidden_states(config, params, ids[:, :-1])
+            logits = hidden @ models.unembed_matrix(config, params).T
+            logp = jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1)[..., 0]
+            out = out - jnp.sum(adv[:, None] * logp * mask)
+        return out / total
+
+    opt = optax.adamw(1e-5)
+
+    @jax.jit
+    def step(params, opt_state, groups):
+        loss, grads = jax.value_and_grad(loss_fn)(params, groups)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = opt.init(params)
+    groups = jax.device_put(groups)
+    times = []
+    for _ in range(repeats + 2):  # the first two calls compile (the second for the updated params)
+        t0 = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, groups)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t0)
+    return times[2:]
+
+
+def isolated_update(cfg, sequences, repeats: int) -> tuple[list[float], float]:
+    """Seconds per rljax update (prepare_batch + update) on `sequences`, outside the loop; pad fraction."""
+    import jax
+
+    from rljax import trainer
+    from rljax.config import mesh_shape
+    from rljax.loop.setup import load_policy
+    from rljax.loop.trajectory import Trajectory, build_loss_inputs
+    from rljax.sharding import make_mesh
+
+    mesh = make_mesh(**mesh_shape(cfg.mesh, jax.device_count()))
+    model_config, params, _ = load_policy(cfg, mesh)
+    state = trainer.init_train_state(cfg, model_config, params, mesh)
+    update = trainer.make_update(cfg, model_config, mesh)
+    trajs = [
+        Trajectory(list(p), list(c), [-1.0] * len(c), 0.0, i // cfg.rollout.group_size, 0)
+        for i, (p, c) in enumerate(sequences)
+    ]
+    adv = np.random.default_rng(0).standard_normal(len(trajs)).astype(np.float32)
+    batch = build_loss_inputs(
+        trajs, adv, temperature=cfg.rollout.temperature, max_len=cfg.rollout.vllm.max_model_len
+    )
+    times, pad = [], 0.0
+    for _ in range(repeats + 2):
+        t0 = time.perf_counter()
+        sharded, layout = trainer.prepare_batch(cfg, batch, mesh)
+        state, _ = update(state, sharded)
+        times.append(time.perf_counter() - t0)
+        pad = layout.get("batch/pad_fraction", 0.0)
+    return times[2:], pad
+
+
+def med(rows: list[dict], key: str) -> float:
+    return float(statistics.median(r.get(key, 0.0) for r in rows))
+
+
+def summarize(sync_rows, async_rows, gen_floor, bare, isolated) -> dict:
+    """The phase table: each phase's seconds, its floor's seconds and their ratio."""
+    gen, upd, sync = (
+        med(sync_rows, "rollout/seconds"),
+        med(sync_rows, "timing/update_s"),
+        med(sync_rows, "weight_sync/seconds"),
+    )
+    g0, u0 = float(statistics.median(gen_floor)), float(statistics.median(bare))
+    phases = {
+        "update": (upd, u0),
+        "update_isolated": (float(statistics.median(isolated[0])), u0),
+        "generation": (gen, g0),
+        "sync_step": (med(sync_rows, "timing/step_s"), g0 + u0),
+    }
+    if async_rows:
+        phases["async_step"] = (med(async_rows, "timing/step_s"), max(gen, upd + sync))
+        phases["async_vs_floors"] = (med(async_rows, "timing/step_s"), max(g0, u0 + sync))
+    out = {k: {"seconds": s, "floor_seconds": f, "ratio": s / max(f, 1e-9)} for k, (s, f) in phases.items()}
+    for k, t in TARGETS.items():
+        if k not in out:
+            continue
+        out[k]["target"] = t
+        out[k]["met"] = out[k]["ratio"] <= t
+    parts = ("rollout", "batch", "update", "weight_sync")
+    out["sync_loop_parts_s"] = {p: med(sync_rows, f"timing/{p}_s") for p in parts}
+    parts = ("stage_seconds", "pause_seconds", "engine_seconds", "canary_early_forward")
+    out["sync_loop_parts_s"] |= {k: med(sync_rows, f"weight_sync/{k}") for k in parts}
+    keys = ("timing/step_s", "rollout/seconds", "timing/update_s", "weight_sync/seconds")
+    out["per_step"] = {
+        mode: {k: [r.get(k, 0.0) for r in rows] for k in keys}
+        for mode, rows in (("sync", sync_rows), ("async", async_rows))
+    }
+    out["per_step"]["generation_floor"], out["per_step"]["bare_update"] = list(gen_floor), list(bare)
+    out["per_step"]["update_isolated"] = list(isolated[0])
+    out["batch/pad_fraction"] = med(sync_rows, "batch/pad_fraction")
+    out["batch/pad_fraction_isolated"] = isolated[1]
+    out["generated_tokens_per_step"] = med(sync_rows, "rollout/generated_tokens")
+    return out
+
+
+def print_table(s: dict, header: str) -> None:
+    print(header)
+    print(f"{'phase':<16s} {'rljax s':>9s} {'floor s':>9s} {'ratio':>7s}  target")
+    for k in ("update", "update_isolated", "generation", "sync_step", "async_step", "async_vs_floors"):
+        if k not in s:
+            continue
+        row = s[k]
+        tgt = f"<= {row['target']:.2f} {'met' if row['met'] else 'NOT met'}" if "target" in row else ""
+        print(f"{k:<16s} {row['seconds']:9.3f} {row['floor_seconds']:9.3f} {row['ratio']:7.2f}  {tgt}")
+    print("sync loop parts (s): " + ", ".join(f"{k}={v:.3f}" for k, v in s["sync_loop_parts_s"].items()))
+    pad, pad_iso = s["batch/pad_fraction"], s["batch/pad_fraction_isolated"]
+    print(f"batch/pad_fraction {pad:.3f} (isolated batch {pad_iso:.3f})")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--skip", type=int, default=3, help="first steps left out (compilation, warm-up)")
+    p.add_argument("--batch", type=int, default=32, help="completions per step")
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--tokens-per-row",
+        type=int,
+        default=160,
+        help="trainer.tokens_per_micro_batch (0: configs/grpo.py's 64); 160 holds 4 of the task's "
+        "37-39 token sequences (pad ~0.05; 64 holds one: pad ~0.41)",
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed bare / isolated updates")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model (smoke test)")
+    p.add_argument("--skip-async", action="store_true", help="leave out the async loop (one server less)")
+    p.add_argument("--placement", default="auto", help="rollout.vllm.placement: auto, none, split")
+    p.add_argument("--idle-spin-s", type=float, default=0.002, help="rollout.vllm.idle_spin_s (vLLM's: 1)")
+    p.add_argument("--json", default="", help="also write the results here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(build_model(Path(tmp) / "model", "tiny" if args.tiny else "13m"))
+        sync_cfg = loop_config(model, args, 0)
+        sync_rows = run_loop(sync_cfg, Path(tmp) / "sync")[args.skip :]
+        async_rows = []
+        if not args.skip_async:
+            async_rows = run_loop(loop_config(model, args, 1), Path(tmp) / "async")[args.skip :]
+        gen_times, sequences, idle_cpu = offline_generation(sync_cfg, step_requests(sync_cfg, args.steps))
+        bare = bare_update(model, sequences, args.repeats)
+        isolated = isolated_update(sync_cfg, sequences, args.repeats)
+        params = _count_params(Path(model))
+    s = summarize(sync_rows, async_rows, gen_times[args.skip :], bare, isolated)
+    s["model_params"] = params
+    s["offline_engine_cpu_s_in_1s_after_generate"] = idle_cpu
+    s["config"] = vars(args) | {"tokens_per_micro_batch": sync_cfg.trainer.tokens_per_micro_batch}
+    s["host"] = {
+        "cpus": len(os.sched_getaffinity(0)),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+    }
+    header = (
+        f"model {params / 1e6:.1f}M params; {args.batch} completions x <= {args.max_tokens} tokens "
+        f"({s['generated_tokens_per_step']:.0f} generated); medians of steps {args.skip + 1}..{args.steps}"
+    )
+    print_table(s, header)
+    print(f"offline engine: {idle_cpu:.2f} CPU s used in the 1 s after its last generate (idle spin)")
+    h = s["host"]
+    print(f"host: {h['cpus']} cores, load average (1/5/15 min) {h['loadavg_before']} -> {h['loadavg_after']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(s, indent=2))
+    return s
+
+
+def _count_params(model: Path) -> int:
+    import struct
+
+    raw = (model / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    return sum(int(np.prod(v["shape"])) for k, v in header.items() if k != "__metadata__")
+
+
+if __name__ == "__main__":
+    main()

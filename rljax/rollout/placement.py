@@ -1,0 +1,100 @@
+"""Host placement: which cores the vLLM CPU engine and the trainer use when they share a host.
+
+`plan_placement(cpus, mode, ...)` -> `Placement(server_cpus, trainer_cpus)`:
+- "auto" (default): sync mode (`overlap=False`: generation and update alternate) leaves the trainer on all
+  cores and binds vLLM's worker to all but one, the last one being left to vLLM's engine core and API
+  server (vLLM's own auto rule on one NUMA node); async mode (`overlap=True`: both run at once) splits
+  the cores, the worker on the first half, the trainer on the rest (with the engine core and API server,
+  which are mostly idle), so neither oversubscribes the other's cores.
+- "none": vLLM's own binding (VLLM_CPU_OMP_THREADS_BIND=auto), the trainer unpinned.
+- "split": the async split in either mode.
+
+`server_thread_env(placement, idle_spin_s)` is the vLLM child's environment for it (VLLM_CPU_OMP_THREADS_BIND,
+and `RLJAX_VLLM_IDLE_SPIN_S`, read by `quiet_idle_spin` inside vLLM's processes). `pin_process(cpus)`
+places every thread of this process (XLA's intra-op pool exists by then, so each thread is moved).
+
+Idle spin: a vLLM worker reading its shared-memory message queue busy-polls (`sched_yield`) for 1 s after
+its last message before sleeping on a socket (`SpinCondition.busy_loop_s`, hard-coded in vLLM 0.32); after
+every generation that second takes one of the trainer's cores. `quiet_idle_spin()` (called by the rljax
+vLLM plugin in every vLLM process) lowers it to `RLJAX_VLLM_IDLE_SPIN_S`. The writer pings the socket on
+every message, but a ping can be lost (vLLM re-checks the queue every 5 s for that reason,
+`SHM_READER_RECHECK_INTERVAL_MS`): measured with no spin and vLLM's 5 s re-check, a sync's control calls
+stalled 5 or 10 s each. So a sleeping reader also re-checks every `IDLE_RECHECK_MS` (an idle worker then
+wakes 200 times a second for a few microseconds, instead of spinning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+IDLE_SPIN_ENV = "RLJAX_VLLM_IDLE_SPIN_S"
+IDLE_RECHECK_MS = 5  # a sleeping queue reader's re-check period (bounds the cost of a lost wake-up ping)
+MODES = ("auto", "none", "split")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """`server_cpus`: the vLLM worker's OpenMP cores (() = vLLM decides); `trainer_cpus` (() = unpinned)."""
+
+    server_cpus: tuple[int, ...] = ()
+    trainer_cpus: tuple[int, ...] = ()
+
+
+def allowed_cpus() -> tuple[int, ...]:
+    """The cores this process may run on (its affinity mask), sorted."""
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def plan_placement(cpus: tuple[int, ...], mode: str, *, overlap: bool, server_on_host: bool) -> Placement:
+    """The cores of each side for `mode` (see the module docstring); unplaced when the server is not on
+    this host, with one core, or with mode "none"."""
+    if mode not in MODES:
+        raise ValueError(f"placement mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "none" or not server_on_host or len(cpus) < 2:
+        return Placement()
+    if overlap or mode == "split":
+        half = len(cpus) // 2
+        return Placement(server_cpus=cpus[:half], trainer_cpus=cpus[half:])
+    return Placement(server_cpus=cpus[:-1], trainer_cpus=())
+
+
+def server_thread_env(placement: Placement, idle_spin_s: float) -> dict[str, str]:
+    """Environment for a vLLM CPU server: its worker's OpenMP cores and the idle-spin limit."""
+    env = {IDLE_SPIN_ENV: repr(float(idle_spin_s))}
+    if placement.server_cpus:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in placement.server_cpus)
+        env["OMP_NUM_THREADS"] = str(len(placement.server_cpus))
+    return env
+
+
+def pin_process(cpus: tuple[int, ...]) -> int:
+    """Sets the affinity of every thread of this process to `cpus`; returns how many threads moved."""
+    moved = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+            moved += 1
+        except (ProcessLookupError, PermissionError):  # a thread that just exited
+            continue
+    return moved
+
+
+def quiet_idle_spin() -> None:
+    """Inside a vLLM process: idle message-queue readers busy-poll for `RLJAX_VLLM_IDLE_SPIN_S` seconds
+    (not vLLM's 1 s) before sleeping on their notify socket, re-checking the queue every
+    `IDLE_RECHECK_MS` while asleep (not vLLM's 5 s). No-op when the variable is unset."""
+    value = os.environ.get(IDLE_SPIN_ENV)
+    if value is None:
+        return
+    try:
+        from vllm.distributed.device_communicators import shm_broadcast
+    except ImportError:  # not a vLLM with this queue
+        return
+    init = shm_broadcast.SpinCondition.__init__
+    if init.__defaults__ is not None and len(init.__defaults__) == 1:
+        init.__defaults__ = (float(value),)
+    if hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):  # read at each wait
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(
+            shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, IDLE_RECHECK_MS
+        )

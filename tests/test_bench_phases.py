@@ -1,0 +1,37 @@
+"""Smoke test of benchmarks/bench_phases.py at tiny sizes: the phase table's structure, not its timings."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_bench_phases_reports_every_phase_against_its_floor(tmp_path):
+    out = tmp_path / "phases.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device is enough here
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    cmd = [sys.executable, "benchmarks/bench_phases.py", "--tiny", "--steps", "3", "--skip", "1"]
+    cmd += ["--batch", "8", "--max-tokens", "8", "--repeats", "1", "--skip-async", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(out.read_text())
+    for phase in ("update", "update_isolated", "generation", "sync_step"):
+        row = s[phase]
+        assert row["seconds"] > 0 and row["floor_seconds"] > 0
+        assert row["ratio"] == pytest.approx(row["seconds"] / row["floor_seconds"])
+        assert phase in proc.stdout
+    for phase, target in (("update", 1.15), ("generation", 1.2), ("sync_step", 1.15)):
+        assert s[phase]["target"] == target and s[phase]["met"] == (s[phase]["ratio"] <= target)
+    assert "async_step" not in s  # --skip-async
+    # the sync step's floor is generation's floor plus the bare update's
+    floor = s["generation"]["floor_seconds"] + s["update"]["floor_seconds"]
+    assert s["sync_step"]["floor_seconds"] == pytest.approx(floor)
+    assert 0.0 <= s["batch/pad_fraction"] < 1.0 and s["generated_tokens_per_step"] > 0
+    assert s["model_params"] > 0 and s["host"]["cpus"] >= 1
+    assert set(s["sync_loop_parts_s"]) >= {"rollout", "update", "weight_sync"}
