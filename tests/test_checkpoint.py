@@ -297,7 +297,13 @@ def test_two_processes_agree_on_the_restorable_step(tmp_path):
         )
         for i in range(2)
     ]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
+    try:  # processes that disagree end up in mismatched collectives and hang: the timeout is the failure
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert [p.returncode for p in procs] == [0, 0], logs
     results = [json_lib.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
     for r in results:
