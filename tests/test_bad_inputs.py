@@ -114,6 +114,17 @@ ARG_CASES = {  # name -> (overrides, with {tmp} and {file} filled in, fragments 
         ["--config.data.template={{question}}"],
         ["data.template", "'question'", "prompt"],
     ),
+    "conversation_prompts_without_chat_template": (
+        ["--config.data.source=jsonl", "--config.data.path={file}", "--config.data.eval_size=4"],
+        ["data.chat_template", "conversations", "data.chat_template=true"],
+        write_file(
+            "chat.jsonl",
+            "".join(
+                json.dumps({"prompt": [{"role": "user", "content": f"{i}+1?"}], "answer": str(i + 1)}) + "\n"
+                for i in range(16)
+            ),
+        ),
+    ),
     "unknown_reward": (["--config.reward.functions=('maths',)"], ["reward.functions", "'maths'", "math"]),
     "reward_module_missing": (
         ["--config.reward.functions=('no_such_pkg.rewards:score',)"],
@@ -221,6 +232,29 @@ def test_bad_input_in_process(name, tmp_path, monkeypatch, capsys, server_spy, f
     with pytest.raises(SystemExit) as e:
         main.run()
     assert_one_line_error(e.value.code, capsys.readouterr().err, fragments, workdir)
+    assert server_spy == []
+
+
+def test_unavailable_sandbox_is_a_config_error(
+    tmp_path, monkeypatch, capsys, server_spy, fresh_override_flags
+):
+    """A code reward whose sandbox mode cannot run here (no root or no cgroups) is one line naming
+    reward.sandbox before any server or reward worker starts, not a worker traceback later."""
+    from rljax import main
+    from rljax.rewards import sandbox
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sandbox, "_missing", lambda mode: [] if mode == "audit" else ["root (test)"])
+    sandbox.check.cache_clear()
+    workdir = tmp_path / "work"
+    argv = ["rljax", CONFIG, f"--workdir={workdir}", "--config.reward.functions=('code',)"]
+    monkeypatch.setattr(sys, "argv", argv)
+    try:
+        with pytest.raises(SystemExit) as e:
+            main.run()
+    finally:
+        sandbox.check.cache_clear()  # later tests probe the real machine again
+    assert_one_line_error(e.value.code, capsys.readouterr().err, ["reward.sandbox", "root (test)"], workdir)
     assert server_spy == []
 
 

@@ -16,6 +16,7 @@ import tempfile
 
 from rljax.config import Config, ConfigError, DataConfig
 from rljax.data import format_prompt
+from rljax.data.chat import is_conversation
 from rljax.loop.data_setup import load_examples
 
 # Errors a data source raises for bad user input (a missing file, a bad record, a wrong option).
@@ -83,6 +84,14 @@ def resolve_examples(data: DataConfig) -> tuple[list[dict], list[dict]]:
     if not train:
         raise ConfigError("data.eval_size", f"{data.eval_size} leaves no training examples")
     for example in (train[0], *held_out[:1]):
+        if is_conversation(example["prompt"]) and not data.chat_template:
+            raise ConfigError(
+                "data.chat_template",
+                f"source {data.source!r} yields conversations (lists of messages); set "
+                "data.chat_template=true to render them with the tokenizer's chat template",
+            )
+        if is_conversation(example["prompt"]):
+            continue  # rendered by the tokenizer's template, checked in validate_runtime
         try:
             format_prompt(example, data.template)
         except (KeyError, ValueError, IndexError, AttributeError) as e:
@@ -92,7 +101,8 @@ def resolve_examples(data: DataConfig) -> tuple[list[dict], list[dict]]:
 
 
 def check_rewards(cfg: Config) -> None:
-    """Every reward spec resolves to a function with a valid declared range."""
+    """Every reward spec resolves to a function with a valid declared range; a reward that runs code
+    (one with a `warmup`, which the pool's workers call first) finds `reward.sandbox` usable here."""
     from rljax.rewards.base import resolve, reward_range
 
     named = [("reward.functions", name) for name in cfg.reward.functions]
@@ -100,11 +110,24 @@ def check_rewards(cfg: Config) -> None:
         if not isinstance(name, str):
             raise ConfigError(key, f"expected reward names, got {name!r}")
         try:
-            reward_range(resolve(name), {})
+            fn = resolve(name)
+            reward_range(fn, {})
         except KeyError as e:
             raise ConfigError(key, f"{e.args[0] if e.args else e}") from None
         except Exception as e:  # noqa: BLE001 - importing a custom reward runs the user's module
             raise ConfigError(key, f"{name!r}: {type(e).__name__}: {e}") from None
+        if hasattr(fn, "warmup"):
+            check_sandbox(cfg.reward.sandbox)
+
+
+def check_sandbox(mode: str) -> None:
+    """`mode` (reward.sandbox) runs here: the same probe the reward workers make at start."""
+    from rljax.rewards.sandbox import SandboxUnavailable, sandbox_info
+
+    try:
+        sandbox_info(mode)
+    except SandboxUnavailable as e:
+        raise ConfigError("reward.sandbox", str(e)) from None
 
 
 def check_env(cfg: Config) -> None:
