@@ -21,7 +21,9 @@ PROBE_COMPLETION = [62, 64, 33, 83, 27, 95, 2, 88, 41, 97, 16, 93, 99, 37, 51, 5
 def _assert_serves_reference(served, version: int) -> None:
     """Server log-probs of a probe (not the canary's tokens) match the reference; versions agree."""
     engine = served.engine
-    got = server_prompt_logprobs(engine.urls[0], engine.client.model, PROBE_PROMPT, PROBE_COMPLETION)
+    got = server_prompt_logprobs(
+        engine.urls[0], engine.client.model, PROBE_PROMPT, PROBE_COMPLETION, headers=engine.syncer.headers
+    )
     want = served.ref.logprobs(PROBE_PROMPT, PROBE_COMPLETION)
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
     assert engine.syncer.server_version(engine.urls[0]) == str(version)
