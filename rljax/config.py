@@ -102,8 +102,8 @@ class VLLMConfig:
     max_restarts: int = 3  # restarts of a dead/hung server (re-sync, resubmit) before the run stops
     extra_args: tuple = ()
     # Cores of an owned server and the trainer on one host (rljax.rollout.placement): auto splits them when
-    # generation overlaps the update (max_staleness > 0) and leaves the trainer all cores in sync mode;
-    # none: vLLM's own binding, trainer unpinned; split: the async split always.
+    # generation overlaps the update (max_staleness > 0) on >= 4 cores and leaves the trainer all cores
+    # otherwise; none: vLLM's own binding, trainer unpinned; split: the split always.
     placement: str = _choice("auto", "auto", "none", "split")
     # An idle vLLM worker's busy-poll before it sleeps (vLLM's own: 1 s, a core the trainer then lacks);
     # a few ms still cover the gap between decode steps.

@@ -24,6 +24,10 @@ def test_auto_leaves_the_trainer_all_cores_in_sync_mode_and_splits_them_in_async
     split = placement.plan_placement(cpus, "auto", overlap=True, server_on_host=True)
     assert split == placement.Placement(server_cpus=(0, 1), trainer_cpus=(2, 3))
     assert placement.plan_placement((0, 1), "split", overlap=False, server_on_host=True).trainer_cpus == (1,)
+    # two cores: one each was slower than sharing both (async), so auto places like sync mode
+    assert placement.plan_placement((0, 1), "auto", overlap=True, server_on_host=True) == placement.Placement(
+        (0,)
+    )
     # nothing to place: a remote server, one core, or placement off
     for cpus_, mode, on_host in [((0, 1), "auto", False), ((0,), "auto", True), ((0, 1), "none", True)]:
         assert (
