@@ -304,3 +304,19 @@ def test_sigkilled_trainer_leaves_no_server_process_and_no_bucket_file(tmp_path)
     assert not alive, f"processes left after the trainer's SIGKILL: {sorted(alive)}"
     assert not left, f"bucket directories left: {left}"
     print(f"clean-up after SIGKILL took {time.monotonic() - killed_at:.1f} s for {len(tree)} processes")
+
+
+def test_server_env_drops_the_trainers_credentials(monkeypatch):
+    """The vLLM child gets the trainer's environment less credential-like names (a model's remote code
+    or a plugin must not read them); what vLLM needs passes, and extra_env is passed as given."""
+    from rljax.rollout.server import ServerOptions, server_env
+
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("WANDB_API_KEY", "wb_secret")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws_secret")
+    monkeypatch.setenv("PYTHONPATH", "/some/where")
+    env = server_env(ServerOptions(extra_env=(("MY_KEY", "given"),)))
+    assert not {"HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY"} & set(env)
+    assert "secret" not in " ".join(env.values())
+    assert env["PYTHONPATH"] == "/some/where" and env["PATH"] == os.environ["PATH"]
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["MY_KEY"] == "given"

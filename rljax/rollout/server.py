@@ -132,9 +132,10 @@ def server_command(model_path: str, host: str, port: int, options: ServerOptions
 
 
 def server_env(options: ServerOptions) -> dict[str, str]:
-    """The child's environment: dev-mode RL endpoints on, CPU KV cache bounded, no JAX device flags, the
-    worker's cores and idle spin (`rljax.rollout.placement`)."""
-    env = dict(os.environ)
+    """The child's environment: the trainer's less its credentials (`auth.without_secrets`), dev-mode RL
+    endpoints on, CPU KV cache bounded, no JAX device flags, the worker's cores and idle spin
+    (`rljax.rollout.placement`). `options.extra_env` is passed as given."""
+    env = auth.without_secrets(dict(os.environ))
     env.pop("XLA_FLAGS", None)  # the parent's simulated JAX devices mean nothing to vLLM
     env |= {
         "VLLM_SERVER_DEV_MODE": "1",
