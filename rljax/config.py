@@ -174,7 +174,7 @@ class DataConfig:
     # may yield conversations (a list of {"role", "content"} messages, TRL's convention) as the prompt.
     chat_template: bool = False
     system_prompt: str = ""  # chat_template only: a system message put before conversations without one
-    eval_size: int = 64
+    eval_size: int = 64  # prompts held out for eval/accuracy; 0 holds none out and switches eval off
     seed: int = 0
 
 
@@ -237,7 +237,7 @@ class TrainerConfig:
     epochs: int = 1  # update passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
     max_nonfinite_skips: int = 3  # consecutive skipped (non-finite) updates before the run stops
-    eval_every: int = 10
+    eval_every: int = 10  # eval before step 1, every N versions and at the end; 0 switches eval off
     logprob_impl: str = "auto"  # a name in rljax.kernels implementations
 
 

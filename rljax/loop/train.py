@@ -16,6 +16,7 @@ from rljax.checkpoint import save_batch
 from rljax.config import Config
 from rljax.loop import rollout_phase
 from rljax.loop.distributed import barrier, broadcast_tree, is_leader
+from rljax.loop.evaluation import eval_due
 from rljax.loop.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from rljax.loop.setup import Run, build_run
 from rljax.metrics.parameters import write_parameter_overview
@@ -32,7 +33,7 @@ def train(cfg: Config, workdir: str) -> None:
         if is_leader():
             table = write_parameter_overview(run.state.params, workdir)
             print(f"rljax: parameters (also in {workdir}/parameters.txt):\n{table}", flush=True)
-        if run.start_step == 0:
+        if run.start_step == 0 and eval_due(cfg, 0):
             run.logger.write(0, leader_evaluate(run) | {"policy/version": 0.0})
         for step in range(run.start_step, cfg.trainer.steps):
             with profiler.step(step + 1):  # numbered as in metrics.jsonl
@@ -80,7 +81,7 @@ def run_step(run: Run, step: int) -> dict:
         run.producer.set_version(version)
     metrics = rollout_metrics | batch_metrics | update_metrics | sync_metrics
     metrics["policy/version"] = float(version)
-    if cfg.trainer.eval_every and (version % cfg.trainer.eval_every == 0 or version == cfg.trainer.steps):
+    if eval_due(cfg, version):
         with timer.phase("eval"):
             metrics |= leader_evaluate(run)
     metrics |= timer.reset()
