@@ -223,6 +223,9 @@ class MetricsConfig:
     # Steps (as numbered in metrics.jsonl, 1..trainer.steps) to trace with jax.profiler into
     # workdir/profile/ (TensorBoard's profile plugin, or the perfetto_trace.json.gz in ui.perfetto.dev).
     profile_steps: tuple = ()
+    # Peak FLOP/s of one device for `perf/mfu`; 0: the device kind's dense bf16 peak from
+    # rljax.metrics.PEAK_BF16_FLOPS, and where the kind is not listed (CPU) perf/mfu is left out.
+    peak_flops_per_device: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -438,6 +441,7 @@ _RANGES = (
     ("trainer.seed", 0, 2**32 - 1),
     ("trainer.eval_every", 0, math.inf),
     ("checkpoint.keep_every", 0, math.inf),
+    ("metrics.peak_flops_per_device", 0.0, math.inf),
 )
 
 
