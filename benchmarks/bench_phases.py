@@ -244,8 +244,8 @@ def isolated_update(cfg, sequences, repeats: int) -> tuple[list[float], float]:
     from rljax import trainer
     from rljax.config import mesh_shape
     from rljax.loop.setup import load_policy
-    from rljax.loop.trajectory import Trajectory, build_loss_inputs
     from rljax.sharding import make_mesh
+    from rljax.trajectory import Trajectory, build_loss_inputs
 
     mesh = make_mesh(**mesh_shape(cfg.mesh, jax.device_count()))
     model_config, params, _ = load_policy(cfg, mesh)

@@ -25,10 +25,9 @@ PREEMPTED_EXIT_CODE = 143
 
 def main() -> int:
     from rljax import runtime
-    from rljax.launch import config_from_args
-
-    cfg = config_from_args(sys.argv[1:])
     from rljax.launch import workdir_of
+
+    cfg = runtime.config_from_args(sys.argv[1:])
 
     workdir = workdir_of(sys.argv[1:])
     runtime.initialize_jax()

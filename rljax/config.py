@@ -174,7 +174,7 @@ class DataConfig:
     # may yield conversations (a list of {"role", "content"} messages, TRL's convention) as the prompt.
     chat_template: bool = False
     system_prompt: str = ""  # chat_template only: a system message put before conversations without one
-    eval_size: int = 64
+    eval_size: int = 64  # prompts held out for eval/accuracy; 0 holds none out and switches eval off
     seed: int = 0
 
 
@@ -223,6 +223,9 @@ class MetricsConfig:
     # Steps (as numbered in metrics.jsonl, 1..trainer.steps) to trace with jax.profiler into
     # workdir/profile/ (TensorBoard's profile plugin, or the perfetto_trace.json.gz in ui.perfetto.dev).
     profile_steps: tuple = ()
+    # Peak FLOP/s of one device for `perf/mfu`; 0: the device kind's dense bf16 peak from
+    # rljax.metrics.PEAK_BF16_FLOPS, and where the kind is not listed (CPU) perf/mfu is left out.
+    peak_flops_per_device: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -237,7 +240,7 @@ class TrainerConfig:
     epochs: int = 1  # update passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
     max_nonfinite_skips: int = 3  # consecutive skipped (non-finite) updates before the run stops
-    eval_every: int = 10
+    eval_every: int = 10  # eval before step 1, every N versions and at the end; 0 switches eval off
     logprob_impl: str = "auto"  # a name in rljax.kernels implementations
 
 
@@ -438,6 +441,7 @@ _RANGES = (
     ("trainer.seed", 0, 2**32 - 1),
     ("trainer.eval_every", 0, math.inf),
     ("checkpoint.keep_every", 0, math.inf),
+    ("metrics.peak_flops_per_device", 0.0, math.inf),
 )
 
 

@@ -28,55 +28,11 @@ import threading
 import time
 
 from rljax import config as config_lib
+from rljax.preflight import check_urls
+from rljax.runtime import config_from_args
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 KILL_GRACE_S = 30.0  # after a failure, time the others get to exit on SIGTERM before SIGKILL
-
-
-def config_from_args(args: list[str]) -> config_lib.Config:
-    """The validated Config that `rljax.main` builds from the same arguments, without touching absl's
-    global flags: `--config=FILE[:preset]`, then each `--config.<key>=<value>` (or `--config.<key> <value>`)
-    parsed by `config.parse_override` as rljax.main's own check does; `--workdir` is ignored here."""
-    config_arg, overrides, i = None, [], 0
-    while i < len(args):
-        arg = args[i].replace("-config", "--config", 1) if args[i].startswith("-config") else args[i]
-        if arg.startswith("--config="):
-            config_arg = arg.split("=", 1)[1]
-        elif arg == "--config" and i + 1 < len(args):
-            config_arg, i = args[i + 1], i + 1
-        elif arg.startswith("--config."):
-            body = arg[len("--config.") :]
-            if "=" not in body:
-                if i + 1 >= len(args):
-                    raise config_lib.ConfigError(body, "override needs a value: --config.<key>=<value>")
-                body, i = f"{body}={args[i + 1]}", i + 1
-            key, text = body.split("=", 1)
-            overrides.append((key, config_lib.parse_override(key, text)))
-        i += 1
-    if config_arg is None:
-        raise config_lib.ConfigError("--config", "is required, e.g. --config=configs/grpo.py")
-    cd = _load_config_file(*config_arg.partition(":")[::2])
-    for key, value in overrides:
-        *parents, leaf = key.split(".")
-        node = cd
-        for name in parents:
-            node = node[name]
-        node[leaf] = value
-    return config_lib.validate(config_lib.from_config_dict(cd))
-
-
-def _load_config_file(path: str, preset: str):
-    """`get_config(preset)` of a config file (the ConfigDict rljax.main's --config flag loads)."""
-    import importlib.util
-
-    if not os.path.isfile(path):
-        raise config_lib.ConfigError("--config", f"no such config file: {path!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # config files import `configs.*` relative to the repo
-    spec = importlib.util.spec_from_file_location("rljax_user_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(preset or None)
 
 
 def lookup(cfg: config_lib.Config, key: str):
@@ -209,8 +165,6 @@ def _wait_all(procs: list[subprocess.Popen]) -> int:
 
 def wait_url(url: str, timeout_s: float) -> bool:
     """Polls `url` until it answers 2xx or `timeout_s` passes."""
-    from rljax.preflight import check_urls
-
     deadline = time.monotonic() + timeout_s
     base = url[: -len("/health")] if url.endswith("/health") else url
     while time.monotonic() < deadline:

@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 
 from rljax import config as config_lib
+from rljax import runtime
 from rljax.config import Config
 
 GIB = 1024**3
@@ -366,12 +367,9 @@ def collective_check() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: joins the JAX job, runs every check on this machine, prints the result. Returns the exit code."""
-    from rljax import runtime
-    from rljax.launch import config_from_args
-
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = config_from_args(args)
+        cfg = runtime.config_from_args(args)
     except config_lib.ConfigError as e:
         print(f"preflight: FAIL config: {e}", flush=True)
         return 2

@@ -1,8 +1,14 @@
 """`python -m rljax.report WORKDIR [WORKDIR ...] --out FILE.png`: training curves from metrics.jsonl.
 
-One column per run, one row per panel (reward, KL, entropy, response length, timings, staleness, eval
-accuracy), y axes shared along a row so runs compare at a glance. Panels with no data in any run are left
-out; a run without a panel's metrics shows "no data" there. Uses matplotlib's Agg backend (no display).
+The panels are laid out as a grid (`--cols`, default 3). Each curve panel (reward, KL, entropy, response
+length, staleness, eval accuracy, MFU) overlays every run, one colour per run. A panel is left out when it
+carries no signal: no run has its metrics, or every series it would draw is constant (KL at beta 0,
+staleness in sync mode); a series of one point is kept. Then one "step time" panel per run shows where each
+step's time goes: its `timing/<phase>_s` stacked per step, plus "other" (the rest of `timing/step_s`).
+Steps that compiled the update are hatched and left out of the y range (their height is written on the
+bar), so step 1's compile does not flatten the rest. A step compiled when `compile/count` grew, or when the
+metrics carry no count, when its batch shape (`batch/rows` x `batch/row_length`) first appeared in the
+run (jit compiles once per shape), or when it is the run's first step. Uses matplotlib's Agg backend.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("KL to reference", "nats/token", ("kl/mean",)),
     ("entropy", "nats/token", ("entropy/mean",)),
     ("response length", "tokens", ("response/length_mean", "response/length_max")),
-    ("timings", "s", ("timing/*_s",)),
     ("staleness", "versions", ("staleness/mean", "staleness/max")),
     ("eval accuracy", "fraction", ("eval/accuracy",)),
+    ("model FLOPs utilization", "fraction of peak", ("perf/mfu",)),
 )
+STEP_TIME = "step time"
+PHASE_ORDER = ("rollout", "batch", "update", "weight_sync", "eval", "checkpoint")
 
 Series = dict[str, tuple[list[int], list[float]]]  # metric name -> (steps, values)
 
@@ -55,6 +63,61 @@ def panel_names(series: Series, patterns: Sequence[str]) -> list[str]:
     return names
 
 
+def has_signal(runs: Sequence[Series], patterns: Sequence[str]) -> bool:
+    """False when no run has a metric of `patterns`, or every such series is constant (all its finite
+    values equal, at least two of them) or has no finite value."""
+    for series in runs:
+        for name in panel_names(series, patterns):
+            finite = [v for v in series[name][1] if math.isfinite(v)]
+            if len(finite) == 1 or (finite and max(finite) > min(finite)):
+                return True
+    return False
+
+
+def phase_times(series: Series) -> tuple[list[int], dict[str, list[float]]]:
+    """(steps, {phase: seconds per step}) of every step with `timing/step_s`: each `timing/<phase>_s` (0
+    where a step lacks it), in loop order, then "other", the rest of the step's wall time."""
+    steps, totals = series.get("timing/step_s", ([], []))
+    names = [n for n in panel_names(series, ("timing/*_s",)) if n != "timing/step_s"]
+    phases = sorted((n[len("timing/") : -len("_s")] for n in names), key=_phase_rank)
+    out = {p: [_value_at(series, f"timing/{p}_s", s) for s in steps] for p in phases}
+    out["other"] = [max(0.0, t - sum(out[p][i] for p in phases)) for i, t in enumerate(totals)]
+    return list(steps), out
+
+
+def compile_steps(series: Series) -> set[int]:
+    """The steps that compiled the update: `compile/count` grew, or (without it) the batch shape first
+    appeared; the first timed step always."""
+    steps = series.get("timing/step_s", ([], []))[0]
+    out = {steps[0]} if steps else set()
+    if "compile/count" in series:
+        count_steps, counts = series["compile/count"]
+        out |= {s for s, a, b in zip(count_steps[1:], counts, counts[1:], strict=False) if b > a}
+        return out
+    seen = set()
+    for s in steps:
+        shape = (_value_at(series, "batch/rows", s), _value_at(series, "batch/row_length", s))
+        if shape not in seen:
+            out.add(s)
+        seen.add(shape)
+    return out
+
+
+def _value_at(series: Series, name: str, step: int) -> float:
+    steps, values = series.get(name, ([], []))
+    return values[steps.index(step)] if step in steps else 0.0
+
+
+def _phase_rank(phase: str) -> tuple[int, str]:
+    return (PHASE_ORDER.index(phase) if phase in PHASE_ORDER else len(PHASE_ORDER), phase)
+
+
+def _phase_color(phase: str) -> str:
+    """The same colour for a phase in every run's panel ("other" grey, unknown phases olive)."""
+    known = {p: f"C{i}" for i, p in enumerate(PHASE_ORDER)}
+    return known.get(phase, "C7" if phase == "other" else "C8")
+
+
 def run_labels(workdirs: Sequence[pathlib.Path]) -> list[str]:
     """Short, distinct labels for runs: the directory name, with its parent where names repeat."""
     names = [p.resolve().name for p in workdirs]
@@ -65,11 +128,13 @@ def run_labels(workdirs: Sequence[pathlib.Path]) -> list[str]:
 
 
 def render_report(
-    workdirs: Sequence[str | pathlib.Path], out: str | pathlib.Path, dpi: int = 100
+    workdirs: Sequence[str | pathlib.Path], out: str | pathlib.Path, dpi: int = 100, cols: int = 3
 ) -> list[str]:
-    """Draws the panels of every run into the PNG `out`; returns the titles of the panels drawn.
+    """Draws the report of every run into the PNG `out` (a grid of `cols` panels per row); returns the
+    titles of the panels drawn, curve panels first, then one step-time panel per run with timings
+    (titled "step time", or "step time: <run>" for several runs).
 
-    Raises ValueError if no run has any metric a panel plots.
+    Raises ValueError if no panel has a signal in any run.
     """
     import matplotlib
 
@@ -77,38 +142,78 @@ def render_report(
     import matplotlib.pyplot as plt
 
     paths = [pathlib.Path(w) for w in workdirs]
-    runs = [load_series(p) for p in paths]
-    panels = [p for p in PANELS if any(panel_names(s, p[2]) for s in runs)]
-    if not panels:
+    runs, labels = [load_series(p) for p in paths], run_labels(paths)
+    curves = [p for p in PANELS if has_signal(runs, p[2])]
+    timed = [(label, s) for label, s in zip(labels, runs, strict=True) if "timing/step_s" in s]
+    titles = [p[0] for p in curves] + [
+        STEP_TIME + (f": {label}" if len(runs) > 1 else "") for label, _ in timed
+    ]
+    if not titles:
         raise ValueError(f"no plottable metrics in {[str(p / METRICS_FILE) for p in paths]}")
-    fig, axes = plt.subplots(
-        len(panels), len(runs), figsize=(5.0 * len(runs), 2.6 * len(panels)), sharey="row", squeeze=False
-    )
-    for col, (label, series) in enumerate(zip(run_labels(paths), runs, strict=True)):
-        axes[0][col].set_title(label, fontsize=11, fontweight="bold")
-        for row, (title, ylabel, patterns) in enumerate(panels):
-            _draw_panel(axes[row][col], series, title, ylabel, patterns, first_col=col == 0)
+    ncols = max(1, min(cols, len(titles)))
+    nrows = math.ceil(len(titles) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, 3.0 * nrows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax, (title, ylabel, patterns) in zip(flat, curves, strict=False):
+        _draw_curves(ax, runs, labels, title, ylabel, patterns)
+    for ax, title, (_, series) in zip(flat[len(curves) :], titles[len(curves) :], timed, strict=False):
+        _draw_step_time(ax, series, title)
+    for ax in flat[len(titles) :]:
+        ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(out, dpi=dpi, format="png")
     plt.close(fig)
-    return [p[0] for p in panels]
+    return titles
 
 
-def _draw_panel(
-    ax, series: Series, title: str, ylabel: str, patterns: Sequence[str], first_col: bool
-) -> None:
-    names = panel_names(series, patterns)
-    for name in names:
-        steps, values = series[name]
-        ax.plot(steps, values, label=name, linewidth=1.2, marker="." if len(steps) < 30 else None)
-    if names:
-        ax.legend(fontsize=7, loc="best")
-    else:
-        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+def _draw_curves(ax, runs, labels, title: str, ylabel: str, patterns: Sequence[str]) -> None:
+    styles = ("-", "--", ":", "-.")
+    for color, (label, series) in enumerate(zip(labels, runs, strict=True)):
+        for k, name in enumerate(panel_names(series, patterns)):
+            steps, values = series[name]
+            ax.plot(
+                steps,
+                values,
+                color=f"C{color}",
+                linestyle=styles[k % len(styles)],
+                label=f"{label}: {name}" if len(runs) > 1 else name,
+                linewidth=1.2,
+                marker="." if len(steps) < 30 else None,
+            )
+    ax.legend(fontsize=7, loc="best")
+    _finish(ax, title, ylabel)
+
+
+def _draw_step_time(ax, series: Series, title: str) -> None:
+    from matplotlib.patches import Patch
+
+    steps, phases = phase_times(series)
+    compiled = compile_steps(series)
+    bottom = [0.0] * len(steps)
+    for phase, seconds in phases.items():
+        bars = ax.bar(steps, seconds, bottom=bottom, width=0.8, color=_phase_color(phase), linewidth=0)
+        for s, bar in zip(steps, bars, strict=True):
+            if s in compiled:
+                bar.set_hatch("//")
+        bottom = [b + v for b, v in zip(bottom, seconds, strict=True)]
+    steady = [b for s, b in zip(steps, bottom, strict=True) if s not in compiled]
+    top = 1.6 * max(steady) if steady and max(steady) > 0 else None  # headroom for the legend
+    if top is not None:
+        ax.set_ylim(0, top)
+        for s, b in zip(steps, bottom, strict=True):
+            if s in compiled and b > top / 1.6:
+                ax.text(s, top / 1.6, f"compile {b:.1f} s", rotation=90, fontsize=6, ha="center", va="bottom",
+                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})  # fmt: skip
+    handles = [Patch(color=_phase_color(phase), label=phase) for phase in phases]
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="compiled"))
+    ax.legend(handles=handles, fontsize=6, loc="upper right", ncol=4)
+    _finish(ax, title, "s")
+
+
+def _finish(ax, title: str, ylabel: str) -> None:
     ax.set_xlabel("step", fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
     ax.set_title(title, fontsize=9, loc="left")
-    if first_col:
-        ax.set_ylabel(ylabel, fontsize=8)
     ax.grid(alpha=0.3)
     ax.tick_params(labelsize=7)
 
@@ -118,11 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("workdirs", nargs="+", type=pathlib.Path, help="run directories holding metrics.jsonl")
     p.add_argument("--out", required=True, type=pathlib.Path, help="PNG file to write")
     p.add_argument("--dpi", type=int, default=100)
+    p.add_argument("--cols", type=int, default=3, help="panels per row of the grid")
     args = p.parse_args(argv)
     missing = [str(w) for w in args.workdirs if not (w / METRICS_FILE).exists()]
     if missing:
         p.error(f"no {METRICS_FILE} in: {', '.join(missing)}")
-    panels = render_report(args.workdirs, args.out, dpi=args.dpi)
+    panels = render_report(args.workdirs, args.out, dpi=args.dpi, cols=args.cols)
     print(f"wrote {args.out} ({len(args.workdirs)} runs; panels: {', '.join(panels)})")
     return 0
 

@@ -1,6 +1,8 @@
-"""Process start-up between the parsed config and the loop: JAX distributed init, runtime checks.
+"""What every entry point shares, below the CLIs: argv -> Config, one-line user errors, joining the JAX job.
 
-Kept apart from `rljax.main` (which only reads flags) so launchers and notebooks can call `run(cfg, workdir)`.
+`config_from_args` is the one argv -> Config parser behind `rljax.main`, `rljax.launch --print-config`,
+`rljax.preflight` and `launch/selftest.py` (the config file runs once per process). The CLIs import this
+module; it imports none of them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from rljax import config as config_lib
 
 
 def fail(message: str, code: int = 2) -> None:
+    """A user error: one line `rljax: error: <message>` on stderr, exit `code` (2), no traceback."""
     print(f"rljax: error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -90,45 +93,64 @@ def _slurm_step_tasks() -> int:
     return int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS") or "1")
 
 
-def preflight_or_fail(cfg: config_lib.Config) -> None:
-    """Runs `rljax.preflight` on this machine before any allocation (it compiles the train step and the
-    log-prob passes for the configured shapes and prints their per-device memory); exits 2, all
-    failures on one line."""
-    import jax
+# ------------------------------------------------------------------------------------- argv -> Config
+def split_config_args(args: list[str]) -> tuple[str | None, list[tuple[str, str]], list[str]]:
+    """(`--config` value, [(key, text)] of each `--config.<key>=<text>` or `--config.<key> <text>` in order,
+    every other argument). One dash works too (`-config=...`). Raises ConfigError for an override
+    without a value (none follows, or the next argument is a `--flag`)."""
+    config_arg, overrides, rest, i = None, [], [], 0
+    while i < len(args):
+        arg = "-" + args[i] if args[i].startswith("-config") else args[i]
+        if arg.startswith("--config="):
+            config_arg = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(args):
+            config_arg, i = args[i + 1], i + 1
+        elif arg.startswith("--config."):
+            body = arg[len("--config.") :]
+            if "=" not in body:
+                if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                    raise config_lib.ConfigError(body, "override needs a value: --config.<key>=<value>")
+                body, i = f"{body}={args[i + 1]}", i + 1
+            overrides.append(tuple(body.split("=", 1)))
+        else:
+            rest.append(args[i])
+        i += 1
+    return config_arg, overrides, rest
 
-    from rljax import preflight
 
-    failures = preflight.run_preflight(
-        cfg,
-        num_devices=jax.device_count(),
-        num_processes=jax.process_count(),
-        device_memory_bytes=preflight.device_memory_bytes(),
-        log=lambda line: print(f"rljax: preflight: {line}", flush=True),
-    )
-    if failures:
-        fail("preflight: " + "; ".join(failures))
+def config_from_args(args: list[str]) -> config_lib.Config:
+    """The validated Config of CLI arguments: `--config=FILE[:preset]`, then each `--config.<key>=<value>`
+    parsed by `config.parse_override` (typed, unknown keys named with a suggestion); other arguments
+    (`--workdir`, ...) are ignored here. Raises ConfigError (a bad override, a missing or failing file)."""
+    config_arg, overrides, _ = split_config_args(args)
+    parsed = [(key, config_lib.parse_override(key, text)) for key, text in overrides]
+    if config_arg is None:
+        raise config_lib.ConfigError("--config", "is required, e.g. --config=configs/grpo.py")
+    cd = _load_config_file(*config_arg.partition(":")[::2])
+    for key, value in parsed:
+        *parents, leaf = key.split(".")
+        node = cd
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+    return config_lib.validate(config_lib.from_config_dict(cd))
 
 
-def run(cfg: config_lib.Config, workdir: str) -> None:
-    """Validates the config against this machine (config checks, every user input resolved, then
-    preflight) and runs the loop. User errors exit 2 with one line before any server starts."""
-    initialize_jax()
-    import jax
+def _load_config_file(path: str, preset: str):
+    """`get_config(preset or None)` of a config file, as a ConfigDict; its own errors (a syntax error, a bad
+    import, an unknown preset) become one ConfigError naming the file."""
+    import importlib.util
 
-    from rljax.loop.inputs import resolve_inputs
-
+    if not os.path.isfile(path):
+        raise config_lib.ConfigError("--config", f"no such config file: {path!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # config files import `configs.*` relative to the repo
     try:
-        config_lib.validate_runtime(cfg, jax.device_count())
-        resolve_inputs(cfg, workdir)
-    except config_lib.ConfigError as e:
-        fail(f"config: {e}")
-    preflight_or_fail(cfg)
-    from rljax.checkpoint import CheckpointError, CheckpointMismatchError
-    from rljax.loop.train import train
-
-    try:
-        train(cfg, workdir)
-    except CheckpointMismatchError as e:  # the workdir's checkpoints were saved with another config
-        fail(f"checkpoint: {e}")
-    except CheckpointError as e:  # not a user error: exit 1, still one line
-        fail(f"checkpoint: {e}", code=1)
+        spec = importlib.util.spec_from_file_location("rljax_user_config", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.get_config(preset or None)
+    except config_lib.ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's config file: a syntax error, a bad import, ...
+        raise config_lib.ConfigError("--config", f"{path}: {type(e).__name__}: {e}") from None

@@ -6,8 +6,7 @@ import time
 import pytest
 
 from rljax.loop.async_rollout import AsyncProducer, group_from_json, group_to_json
-from rljax.loop.rollout_phase import Group
-from rljax.loop.trajectory import Trajectory
+from rljax.trajectory import Group, Trajectory
 
 
 class Recorder:

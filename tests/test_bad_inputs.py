@@ -1,9 +1,9 @@
 """Bad input through the real CLI: exit 2, exactly one stderr line naming the field or file, no traceback,
 and no vLLM server started (every case fails before preflight, the server and the reward workers).
 
-Most cases run `rljax.main.run(argv)` in this process (the same code path as `python -m rljax.main`,
-absl re-parses its flags on every call) with `SystemExit` and stderr captured, and with the vLLM server's
-start replaced by a spy; a handful run as real `python -m rljax.main` subprocesses.
+Most cases run `rljax.main.run(argv)` in this process (the same code path as `python -m rljax.main`;
+its flags start from their defaults on every call) with `SystemExit` and stderr captured, and with the
+vLLM server's start replaced by a spy; a handful run as real `python -m rljax.main` subprocesses.
 """
 
 import json
@@ -206,31 +206,18 @@ def server_spy(monkeypatch):
     return started
 
 
-@pytest.fixture
-def fresh_override_flags():
-    """config_flags registers one absl flag per `--config.<key>` override it parses and a later parse of
-    the same key is refused ("defined twice"): drop them after each in-process run, as a new process
-    would start without them."""
-    from absl import flags
-
-    yield
-    for name in [n for n in flags.FLAGS if n.startswith("config.")]:
-        delattr(flags.FLAGS, name)
-
-
 def test_at_least_twenty_cases():
     assert len(ALL_CASES) >= 20
 
 
 @pytest.mark.parametrize("name", ALL_CASES)
-def test_bad_input_in_process(name, tmp_path, monkeypatch, capsys, server_spy, fresh_override_flags):
+def test_bad_input_in_process(name, tmp_path, monkeypatch, capsys, server_spy):
     from rljax import main
 
     monkeypatch.chdir(REPO)
     argv, fragments, workdir = build_argv(name, tmp_path)
-    monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides from sys.argv, as in the CLI
     with pytest.raises(SystemExit) as e:
-        main.run()
+        main.run(argv)  # its own argv: sys.argv is not consulted
     assert_one_line_error(e.value.code, capsys.readouterr().err, fragments, workdir)
     assert server_spy == []
 

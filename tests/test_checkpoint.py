@@ -128,7 +128,7 @@ def test_restore_onto_a_different_mesh(tmp_path):
 
 def test_saved_batch_round_trips_bit_for_bit(tmp_path):
     from rljax.checkpoint import batch_path, load_batch, save_batch
-    from rljax.loop.trajectory import Trajectory, build_loss_inputs
+    from rljax.trajectory import Trajectory, build_loss_inputs
 
     trajs = [
         Trajectory([3, 4], [5, 6, 7], [-0.5, -1.25, -2.0], 1.0, 0, 2),

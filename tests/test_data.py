@@ -178,3 +178,8 @@ def test_format_prompt():
         format_prompt(example, "{question}")
     with pytest.raises(ValueError, match="positional"):
         format_prompt(example, r"\boxed{}")
+
+
+def test_split_with_eval_size_zero_holds_nothing_out():
+    examples = make_source("arithmetic", num_examples=50, seed=0)
+    assert split_train_eval(examples, eval_size=0, seed=7) == (examples, [])

@@ -62,11 +62,15 @@ def test_async_mode_respects_max_staleness(tmp_path):
         "--config.trainer.max_staleness=1",
         "--config.trainer.eval_every=0",
         "--config.rollout.weight_sync.transport=tcp",
+        "--config.metrics.peak_flops_per_device=1e12",  # a CPU has no datasheet peak: perf/mfu needs one
         config="configs/grpo.py:smoke",
     )
     train = [m for m in lines if m["step"] > 0]
     assert len(train) == 5
+    # trainer.eval_every=0 switches evaluation off: no eval before step 1 (no step-0 line), none after.
+    assert lines[0]["step"] == 1 and not [k for m in lines for k in m if k.startswith("eval/")]
     for m in train:
+        assert 0 < m["perf/mfu"] < 1, m
         assert m["staleness/max"] <= 1
         assert m["weight_sync/bytes"] > 1e6 and m["weight_sync/canary_logprob_max_abs_diff"] < 1e-3, m
         hist = m["staleness/hist"]

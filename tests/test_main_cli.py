@@ -104,3 +104,28 @@ def test_unknown_preset(tmp_path):
 def test_missing_workdir():
     proc = run_main("--config=configs/grpo.py")
     assert_user_error(proc, "--workdir is required")
+
+
+def test_run_honours_its_argv_not_sys_argv(tmp_path, monkeypatch):
+    """`rljax.main.run(argv)` applies argv's `--config.*` overrides (sys.argv is someone else's), and a
+    second call in the same process starts from the defaults again (no flag leaks from the first)."""
+    from rljax import main
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "argv", ["pytest", "--config.algo.beta=0.5"])
+    started = []
+    monkeypatch.setattr(main, "start", lambda cfg, workdir: started.append((cfg, workdir)))
+
+    def run(*argv):  # absl's app.run ends with sys.exit: code None/0 after `start` returned
+        with pytest.raises(SystemExit) as e:
+            main.run(["rljax", *argv])
+        return e.value.code
+
+    base = ["--config=configs/grpo.py:smoke", f"--workdir={tmp_path}"]
+    assert run(*base, "--config.algo.beta=0.25", "--config.trainer.steps", "7") in (None, 0)
+    ((cfg, workdir),) = started
+    assert (cfg.algo.beta, cfg.trainer.steps, workdir) == (0.25, 7, str(tmp_path))
+    assert run("--config=configs/grpo.py:smoke") == 2  # no --workdir: the first call's is not reused
+    assert len(started) == 1
+    assert run(*base) in (None, 0)
+    assert started[1][0].algo.beta == 0.0 and started[1][0].trainer.steps == 3  # the smoke preset's own

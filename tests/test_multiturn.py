@@ -15,9 +15,9 @@ import pytest
 
 from rljax.envs import EnvSpec, EpisodeLimits, StepResult, generate_multi_turn_groups
 from rljax.envs.math_env import TOOL_RESPONSE, ToolMathEnv
-from rljax.loop.trajectory import build_loss_inputs
 from rljax.models.tiny import build_tokenizer
 from rljax.rollout.client import Completion
+from rljax.trajectory import build_loss_inputs
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import pytest
 from rljax.envs import ENVS, generate_multi_turn_groups
 from rljax.envs.math_env import TOOL_RESPONSE, ToolMathEnv
 from rljax.envs.tools import calculator_tool
-from rljax.loop.trajectory import build_loss_inputs
+from rljax.trajectory import build_loss_inputs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from rljax.config import Config
-from rljax.loop.trajectory import Trajectory, build_loss_inputs
 from rljax.trainer import packing
+from rljax.trajectory import Trajectory, build_loss_inputs
 from rljax.types import BatchError, validate_loss_inputs
 
 

@@ -12,7 +12,7 @@ from mp_trainer_common import with_fields
 
 from rljax.config import Config
 from rljax.loop import rollout_phase
-from rljax.loop.rollout_phase import Group
+from rljax.trajectory import Group
 
 
 class Prompts:

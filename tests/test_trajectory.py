@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rljax.loop.trajectory import Trajectory, bucket_length, build_loss_inputs
+from rljax.trajectory import Trajectory, bucket_length, build_loss_inputs
 from rljax.types import BatchError, validate_loss_inputs
 
 

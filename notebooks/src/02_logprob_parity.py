@@ -36,7 +36,7 @@ import transformers
 from rljax import config as config_lib
 from rljax import models, trainer
 from rljax.loop.engine import local_logprobs
-from rljax.loop.trajectory import Trajectory, build_loss_inputs
+from rljax.trajectory import Trajectory, build_loss_inputs
 from rljax.models.tiny import build_tiny_checkpoint
 from rljax.rollout import RolloutError, ServerOptions, VLLMEngine, VLLMServer
 from rljax.sharding import make_mesh

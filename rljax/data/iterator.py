@@ -89,11 +89,12 @@ def split_train_eval(
 ) -> tuple[list[Example], list[Example]]:
     """(train, eval): `eval_size` examples with distinct `key`s picked with `seed`; train is every example
     whose `key` is not among them, so no held-out prompt (even a duplicate of one) is ever trained on.
-    A conversation prompt is compared by its canonical JSON (role and content of every message)."""
+    A conversation prompt is compared by its canonical JSON (role and content of every message).
+    `eval_size` 0 holds nothing out: (every example, [])."""
     distinct = sorted({_key_text(e[key]) for e in examples})
-    if not 0 < eval_size < len(distinct):
+    if not 0 <= eval_size < len(distinct):
         raise ValueError(
-            f"eval_size {eval_size} not in [1, {len(distinct) - 1}] ({len(distinct)} distinct {key}s)"
+            f"eval_size {eval_size} not in [0, {len(distinct) - 1}] ({len(distinct)} distinct {key}s)"
         )
     held_out = set(random.Random(seed).sample(distinct, eval_size))
     eval_set, seen = [], set()

@@ -37,8 +37,8 @@ import numpy as np
 
 from rljax.envs.base import Environment, StepResult, StepTimeout, submit_in_thread
 from rljax.envs.parsing import CLOSE
-from rljax.loop.trajectory import Trajectory
 from rljax.registry import Registry
+from rljax.trajectory import Group, Trajectory
 
 _STATUS_COUNTS = {
     "ok": ("tool_calls",),
@@ -266,11 +266,9 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
 
 def generate_multi_turn_groups(
     run, examples: list[dict], seed: int, *, spec: EnvSpec | None = None
-) -> tuple[list, dict]:
+) -> tuple[list[Group], dict]:
     """Plays `rollout.group_size` episodes per example; returns (groups, metrics) like
     `rollout_phase.generate_groups`. `spec` defaults to ENVS[rollout.env]."""
-    from rljax.loop.rollout_phase import Group  # here: rollout_phase dispatches to this module
-
     spec = ENVS.get(run.cfg.rollout.env) if spec is None else spec
     episodes = start_episodes(run, examples, spec)
     run_episodes(run, episodes, seed, spec.limits)

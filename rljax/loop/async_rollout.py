@@ -15,8 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rljax.loop.rollout_phase import Group
-from rljax.loop.trajectory import Trajectory
+from rljax.trajectory import Group, Trajectory
 
 
 def group_to_json(g: Group) -> dict:

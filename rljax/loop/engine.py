@@ -22,9 +22,9 @@ from rljax import kernels, models, trainer
 from rljax.config import Config
 from rljax.loop.distributed import host_params, is_leader, to_host
 from rljax.loop.recovery import FaultPlan, call_with_recovery, kill_halfway, kill_when_running
-from rljax.loop.trajectory import Trajectory, build_loss_inputs
 from rljax.rollout import ClientOptions, ServerOptions, VLLMEngine, placement
 from rljax.rollout.auth import read_token_file
+from rljax.trajectory import Trajectory, build_loss_inputs
 from rljax.weight_sync import SyncOptions
 
 RECOVERY_METRICS = (

@@ -1,6 +1,6 @@
 """Everything a run reads from the user, resolved before anything starts.
 
-`resolve_inputs(cfg, workdir)` runs in `rljax.runtime.run` after the config checks and before preflight,
+`resolve_inputs(cfg, workdir)` runs in `rljax.main.start` after the config checks and before preflight,
 the vLLM server, the reward workers or any allocation: the workdir is created and written to; the model
 directory's config.json, every safetensors header (a truncated file fails here, not mid-load) and the
 tokenizer are read; the data source is loaded and split, and the prompt template filled from its

@@ -12,21 +12,8 @@ import dataclasses
 import numpy as np
 
 from rljax.envs import ENVS
-from rljax.loop.trajectory import Trajectory, build_loss_inputs
 from rljax.metrics import combine_metrics
-
-
-@dataclasses.dataclass
-class Group:
-    """The `group_size` samples of one prompt, scored."""
-
-    example: dict
-    trajectories: list[Trajectory]
-    per_fn: dict[str, np.ndarray]
-
-    @property
-    def rewards(self) -> np.ndarray:
-        return np.asarray([t.reward for t in self.trajectories], np.float32)
+from rljax.trajectory import Group, Trajectory, build_loss_inputs
 
 
 def generate_groups(run, examples: list[dict], seed: int) -> tuple[list[Group], dict]:

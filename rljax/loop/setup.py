@@ -28,11 +28,11 @@ from rljax.loop.engine import make_engine
 from rljax.loop.evaluation import make_evaluator
 from rljax.loop.phases import PhaseTimer
 from rljax.loop.rollout_phase import select_groups
-from rljax.loop.trajectory import Trajectory, build_loss_inputs
 from rljax.metrics import MetricsLogger, StatusWriter, device_memory_gb, host_memory_gb
 from rljax.rewards import RewardPool
 from rljax.sharding import make_mesh
 from rljax.trainer.state import model_decoder, resolve_model_config
+from rljax.trajectory import Trajectory, build_loss_inputs
 
 
 @dataclasses.dataclass

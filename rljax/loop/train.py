@@ -16,10 +16,13 @@ from rljax.checkpoint import save_batch
 from rljax.config import Config
 from rljax.loop import rollout_phase
 from rljax.loop.distributed import barrier, broadcast_tree, is_leader
+from rljax.loop.evaluation import eval_due
 from rljax.loop.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from rljax.loop.setup import Run, build_run
+from rljax.metrics import peak_flops
 from rljax.metrics.parameters import write_parameter_overview
 from rljax.metrics.profile import StepProfiler, profile_dir
+from rljax.trainer.flops import matmul_params, update_flops
 
 
 def train(cfg: Config, workdir: str) -> None:
@@ -32,7 +35,7 @@ def train(cfg: Config, workdir: str) -> None:
         if is_leader():
             table = write_parameter_overview(run.state.params, workdir)
             print(f"rljax: parameters (also in {workdir}/parameters.txt):\n{table}", flush=True)
-        if run.start_step == 0:
+        if run.start_step == 0 and eval_due(cfg, 0):
             run.logger.write(0, leader_evaluate(run) | {"policy/version": 0.0})
         for step in range(run.start_step, cfg.trainer.steps):
             with profiler.step(step + 1):  # numbered as in metrics.jsonl
@@ -80,12 +83,13 @@ def run_step(run: Run, step: int) -> dict:
         run.producer.set_version(version)
     metrics = rollout_metrics | batch_metrics | update_metrics | sync_metrics
     metrics["policy/version"] = float(version)
-    if cfg.trainer.eval_every and (version % cfg.trainer.eval_every == 0 or version == cfg.trainer.steps):
+    if eval_due(cfg, version):
         with timer.phase("eval"):
             metrics |= leader_evaluate(run)
     metrics |= timer.reset()
     tokens = float(np.sum(batch.loss_mask))
     metrics["throughput/update_tokens_per_s"] = tokens / max(metrics.get("timing/update_s", 0.0), 1e-9)
+    metrics |= mfu_metrics(run, batch, metrics.get("timing/update_s", 0.0))
     metrics |= run.system_metrics()
     run.logger.write(version, metrics)
     run.status.update(
@@ -96,6 +100,20 @@ def run_step(run: Run, step: int) -> dict:
         eta_s=run.logger.eta_s,
     )
     return metrics
+
+
+def mfu_metrics(run: Run, batch, update_s: float) -> dict:
+    """`perf/mfu`: the update's model FLOPs (`rljax.trainer.flops`) / (update_s x peak x devices). The
+    peak is `metrics.peak_flops_per_device`, else the device kind's (`rljax.metrics.peak_flops`); with
+    neither (CPU) the metric is left out."""
+    peak = run.cfg.metrics.peak_flops_per_device or peak_flops(jax.devices()[0].device_kind)
+    if not peak or update_s <= 0:
+        return {}
+    n = matmul_params(run.state.params, run.model_config)
+    tokens = float(np.sum(np.asarray(batch.segment_ids) > 0))
+    critic = run.state.critic_params is not None
+    flops = update_flops(run.cfg, run.model_config, n, tokens, batch.segment_ids.shape[1], critic=critic)
+    return {"perf/mfu": flops / (update_s * peak * jax.device_count())}
 
 
 def leader_evaluate(run: Run) -> dict:

@@ -137,8 +137,9 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("rollout/tokens_per_s", "tokens/s", "ratio",
      "Generation throughput reported by the rollout engine (its own clock, host overhead excluded)."),
     ("perf/mfu", "fraction", "ratio",
-     "Model FLOPs utilization of the update: achieved training FLOP/s / (peak bf16 FLOP/s x devices); "
-     "absent when the device's peak is unknown."),
+     "Model FLOPs utilization of the update: its model FLOPs (rljax.trainer.flops) / timing/update_s / "
+     "(peak FLOP/s x devices); peak from metrics.peak_flops_per_device, else the device kind's bf16 "
+     "peak; absent when neither is known (CPU)."),
     ("memory/host_rss_gb", "GB", "last", "Resident set size of process 0 in GB (1e9 bytes)."),
     ("memory/device_peak_gb", "GB", "max",
      "Peak device memory in use over local devices (JAX memory_stats); absent where not reported (CPU)."),

@@ -1,4 +1,7 @@
-"""Trajectory processing: sampled completions -> one validated `LossInputs` batch.
+"""Trajectory processing: sampled completions (grouped per prompt) -> one validated `LossInputs` batch.
+
+Below both the host loop and the environments: `rljax.envs` builds `Group`s of `Trajectory`s and
+`rljax.loop` turns them into batches, and neither imports the other's producer to get these types.
 
 Rows are padded to a few length buckets (powers of two from 32) so the update step compiles once per
 bucket (the models also take packed rows through segment ids; the loop pads). Per-token fields follow the
@@ -48,6 +51,20 @@ class Trajectory:
             )
         if not self.prompt_ids:
             raise ValueError("Trajectory.prompt_ids is empty: a completion needs at least one prompt token")
+
+
+@dataclasses.dataclass
+class Group:
+    """The `group_size` samples of one prompt, scored: `per_fn[name]` f32[group_size] per reward fn."""
+
+    example: dict
+    trajectories: list[Trajectory]
+    per_fn: dict[str, np.ndarray]
+
+    @property
+    def rewards(self) -> np.ndarray:
+        """f32[group_size]: each trajectory's total reward."""
+        return np.asarray([t.reward for t in self.trajectories], np.float32)
 
 
 def bucket_length(n: int, max_len: int | None = None) -> int:

@@ -1,0 +1,57 @@
+"""perf/mfu: the update's model FLOPs from the config and parameter shapes, over the configured peak."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+from mp_trainer_common import with_fields
+
+from rljax.config import Config
+from rljax.loop import train
+from rljax.loop.train import mfu_metrics
+from rljax.metrics import peak_flops
+from rljax.trainer.flops import matmul_params, update_flops
+
+MC = types.SimpleNamespace(
+    num_layers=2, num_heads=4, head_dim=8, vocab_size=100, hidden_size=16, tie_word_embeddings=False
+)
+PARAMS = {"embed": np.zeros((100, 16)), "layer": {"w": np.zeros((16, 64))}, "head": np.zeros((16, 100))}
+
+
+def test_matmul_params_leave_out_an_untied_embedding():
+    assert matmul_params(PARAMS, MC) == 16 * 64 + 16 * 100
+    tied = types.SimpleNamespace(**{**vars(MC), "tie_word_embeddings": True})
+    assert matmul_params({"embed": PARAMS["embed"], "layer": PARAMS["layer"]}, tied) == 100 * 16 + 16 * 64
+
+
+def test_update_flops_counts_each_pass():
+    n, tokens, t = 1000, 50.0, 32
+    attn = 2 * 4 * 8 * t  # L * heads * head_dim * T
+    train, fwd = 6 * n + 12 * attn, 2 * n + 4 * attn
+    on_policy = Config()  # epochs = minibatches = 1, beta 0: the one train pass, old log-probs from it
+    assert update_flops(on_policy, MC, n, tokens, t) == tokens * train
+    kl = with_fields(on_policy, algo__beta=0.1)  # + the reference forward
+    assert update_flops(kl, MC, n, tokens, t) == tokens * (train + fwd)
+    two = with_fields(on_policy, trainer__epochs=2)  # two train passes + a separate old log-prob pass
+    assert update_flops(two, MC, n, tokens, t) == tokens * (2 * train + fwd)
+    # A critic (PPO): the policy's old log-prob forward, the critic's train pass and value forward.
+    assert update_flops(on_policy, MC, n, tokens, t, critic=True) == tokens * (2 * train + 2 * fwd)
+
+
+def fake_run(peak: float):
+    cfg = with_fields(Config(), metrics__peak_flops_per_device=peak)
+    state = types.SimpleNamespace(params=PARAMS, critic_params=None)
+    return types.SimpleNamespace(cfg=cfg, state=state, model_config=MC)
+
+
+def test_mfu_against_the_configured_peak_and_left_out_on_cpu(monkeypatch):
+    segments = np.zeros((2, 32), np.int32)
+    segments[0, :20], segments[1, :12] = 1, 1  # 32 real tokens, the rest padding
+    batch = types.SimpleNamespace(segment_ids=segments)
+    n = matmul_params(PARAMS, MC)
+    want = update_flops(Config(), MC, n, 32.0, 32) / (0.5 * 1e9 * jax.device_count())
+    assert mfu_metrics(fake_run(1e9), batch, update_s=0.5) == {"perf/mfu": pytest.approx(want)}
+    # No datasheet peak for a CPU ("cpu" is not in PEAK_BF16_FLOPS): left out unless configured.
+    monkeypatch.setattr(train, "peak_flops", lambda kind: peak_flops("cpu"))
+    assert mfu_metrics(fake_run(0.0), batch, update_s=0.5) == {}
