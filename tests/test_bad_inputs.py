@@ -222,9 +222,7 @@ def test_bad_input_in_process(name, tmp_path, monkeypatch, capsys, server_spy):
     assert server_spy == []
 
 
-def test_unavailable_sandbox_is_a_config_error(
-    tmp_path, monkeypatch, capsys, server_spy, fresh_override_flags
-):
+def test_unavailable_sandbox_is_a_config_error(tmp_path, monkeypatch, capsys, server_spy):
     """A code reward whose sandbox mode cannot run here (no root or no cgroups) is one line naming
     reward.sandbox before any server or reward worker starts, not a worker traceback later."""
     from rljax import main
@@ -235,10 +233,9 @@ def test_unavailable_sandbox_is_a_config_error(
     sandbox.check.cache_clear()
     workdir = tmp_path / "work"
     argv = ["rljax", CONFIG, f"--workdir={workdir}", "--config.reward.functions=('code',)"]
-    monkeypatch.setattr(sys, "argv", argv)
     try:
         with pytest.raises(SystemExit) as e:
-            main.run()
+            main.run(argv)
     finally:
         sandbox.check.cache_clear()  # later tests probe the real machine again
     assert_one_line_error(e.value.code, capsys.readouterr().err, ["reward.sandbox", "root (test)"], workdir)
