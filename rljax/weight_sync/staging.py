@@ -244,3 +244,19 @@ def stage_buckets(
     finally:
         if current is not None:
             current.close().unlink()
+
+
+def owned_shards(array) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+    """This process's part of a (possibly sharded, multi-process) jax array: `[(index, data)]`, one entry
+    per addressable shard whose `replica_id == 0`, `index` the shard's slices of the full tensor (ints
+    resolved: `slice(start, stop)` per dimension), `data` its host copy. Across every process of a job
+    each element is covered exactly once, and no shard is moved off its device before the host copy
+    (no all-gather). The building block of sharded staging: a bucket entry is (name, index, dtype, crc).
+    """
+    out = []
+    for shard in array.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(shard.index, array.shape, strict=True))
+        out.append((index, np.asarray(shard.data)))
+    return out
