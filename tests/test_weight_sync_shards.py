@@ -35,3 +35,28 @@ def test_owned_shards_cover_every_element_exactly_once(axes, spec):
     staged = sum(d.nbytes for _, d in shards)
     assert staged == full.nbytes
     assert all(d.nbytes == full.nbytes // len(shards) for _, d in shards)  # even blocks
+
+
+def test_owned_slices_reassemble_on_the_receiving_side():
+    from rljax.weight_sync.wire import SliceAssembler
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    full = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    x = jax.device_put(jnp.asarray(full), NamedSharding(mesh, PartitionSpec("b", None)))
+    asm = SliceAssembler({"w": ((16, 8), "float32")})
+    shards = owned_shards(x)
+    results = [asm.add("w", tuple((s.start, s.stop) for s in index), data) for index, data in shards]
+    assert all(r is None for r in results[:-1]) and asm.incomplete() == []
+    np.testing.assert_array_equal(results[-1], full)
+
+
+def test_assembler_rejects_overlap_and_out_of_range_naming_the_tensor():
+    from rljax.weight_sync.wire import SliceAssembler
+
+    asm = SliceAssembler({"w": ((4, 2), "float32")})
+    assert asm.add("w", ((0, 2), (0, 2)), np.ones((2, 2), np.float32)) is None
+    with pytest.raises(ValueError, match="'w'.*overlaps"):
+        asm.add("w", ((1, 3), (0, 2)), np.ones((2, 2), np.float32))
+    with pytest.raises(ValueError, match="not inside"):
+        asm.add("w", ((2, 5), (0, 2)), np.ones((3, 2), np.float32))
+    assert asm.incomplete() == ["w"]
