@@ -35,13 +35,20 @@ class TensorEntry:
     offset: int
     nbytes: int
     crc32: int | None = None
+    # sharded staging: this entry is the block `((start, stop), ...)` of the full tensor `name`
+    # (`shape` is the block's); None: the whole tensor
+    index: tuple[tuple[int, int], ...] | None = None
 
     def to_wire(self) -> list:
-        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes, self.crc32]
+        item = [self.name, self.dtype, list(self.shape), self.offset, self.nbytes, self.crc32]
+        return item if self.index is None else item + [[list(r) for r in self.index]]
 
     @staticmethod
     def from_wire(item: list) -> TensorEntry:
-        name, dtype, shape, offset, nbytes, crc = item
+        name, dtype, shape, offset, nbytes, crc, *rest = item
+        if len(rest) > 1:
+            raise ValueError(f"weight sync: tensor entry {str(name)!r} has {len(item)} fields, expected 6-7")
+        index = None if not rest or rest[0] is None else tuple((int(a), int(b)) for a, b in rest[0])
         return TensorEntry(
             str(name),
             str(dtype),
@@ -49,6 +56,7 @@ class TensorEntry:
             int(offset),
             int(nbytes),
             None if crc is None else int(crc),
+            index,
         )
 
 
@@ -103,6 +111,8 @@ def check_entries(
         if e.name not in spec:
             raise ValueError(f"weight sync: unknown tensor {e.name!r} (not in the served checkpoint)")
         shape, _ = spec[e.name]
+        if e.index is not None:
+            shape = slice_shape(e.index, tuple(shape))
         if tuple(e.shape) != tuple(shape):
             raise ValueError(
                 f"weight sync: tensor {e.name!r} has shape {tuple(e.shape)}, expected {tuple(shape)}"
@@ -117,9 +127,10 @@ def check_entries(
             or (file_size is not None and e.offset + e.nbytes > file_size)
         ):
             raise ValueError(f"weight sync: tensor {e.name!r} has a bad byte range ({e.offset}, {e.nbytes})")
-        if e.name in seen or e.name in names:
+        key = e.name if e.index is None else (e.name, e.index)  # overlapping slices: the assembler's check
+        if key in seen or key in names:
             raise ValueError(f"weight sync: tensor {e.name!r} pushed twice in one update")
-        names.add(e.name)
+        names.add(key)
     seen |= names
 
 
