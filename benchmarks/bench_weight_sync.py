@@ -17,6 +17,8 @@ in the same run:
 Variants (`--variants`), run in interleaved rounds (`--repeats`) with a reload in each, medians reported:
 `shm` (the default path), `tcp` (bucket bytes streamed over a loopback socket), `shm_layerwise` (every
 layer through vLLM's layerwise reload: what the pause was before the direct in-place load).
+`--dtype bfloat16` serves in bf16 from the float32 masters (cast on device before staging: half the bytes);
+staged bytes per process are printed, and with `--json FILE` written with `model_bytes` (serving dtype).
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every variant + reload")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
     ap.add_argument("--workdir", default="/tmp/rljax_bench_weight_sync")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="serving dtype")
+    ap.add_argument("--json", default="", help="also write model_bytes and staged_bytes_per_process here")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
@@ -163,21 +167,33 @@ def main() -> None:
     import jax.numpy as jnp
 
     from rljax import models
+    from rljax.config import CANARY_TOLERANCES
+    from rljax.loop.distributed import cast_params
     from rljax.rollout import ServerOptions, VLLMEngine
     from rljax.weight_sync import SyncOptions, stage_buckets
 
     work = Path(args.workdir)
     ckpt = build_checkpoint(work / "ckpt", args.gb)
-    config, params = models.load_hf_checkpoint(ckpt)
-    nbytes = sum(a.nbytes for _, a in models.iter_hf_tensors(config, params))
+    config, params = models.load_hf_checkpoint(ckpt)  # float32 masters
+
+    def served():  # cast on device to the serving dtype, then one tensor at a time to the host
+        return models.iter_hf_tensors(config, cast_params(params, args.dtype), args.dtype)
+
+    nbytes = sum(a.nbytes for _, a in served())
+    staged_per_process = [nbytes]  # one trainer process stages every tensor
     print(
-        f"state: {nbytes / 1e9:.3f} GB float32, vocab {config.vocab_size}, bucket {args.bucket_mb} MiB",
+        f"state: {nbytes / 1e9:.3f} GB {args.dtype} (float32 masters), vocab {config.vocab_size},"
+        f" bucket {args.bucket_mb} MiB; staged bytes per process: {staged_per_process}",
         flush=True,
     )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"model_bytes": nbytes, "staged_bytes_per_process": staged_per_process})
+        )
 
     copy_s = memcpy_seconds(nbytes)
     t = time.perf_counter()
-    buckets = list(stage_buckets(models.iter_hf_tensors(config, params), bucket_bytes=args.bucket_mb << 20))
+    buckets = list(stage_buckets(served(), bucket_bytes=args.bucket_mb << 20))
     stage_s = time.perf_counter() - t
     for b in buckets:
         b.unlink()
@@ -188,24 +204,20 @@ def main() -> None:
         lp = np.asarray(logits_fn(jnp.asarray([list(prompt) + list(completion)], jnp.int32)))
         return lp[np.arange(len(prompt) - 1, len(prompt) + len(completion) - 1), completion]
 
-    opts = ServerOptions(gpu_memory_utilization=0.1, max_model_len=512)
-    base = SyncOptions(bucket_bytes=args.bucket_mb << 20)
+    opts = ServerOptions(gpu_memory_utilization=0.1, max_model_len=512, dtype=args.dtype)
+    base = SyncOptions(bucket_bytes=args.bucket_mb << 20, canary_tolerance=CANARY_TOLERANCES[args.dtype])
     engine = VLLMEngine.launch(ckpt, work / "server", server_options=opts, sync_options=base)
     rows: dict[str, list[dict]] = {v: [] for v in variants + ["vllm_reload"]}
     try:
         url, model = engine.urls[0], engine.client.model
-        engine.push_weights(
-            models.iter_hf_tensors(config, params), 1, trainer_logprobs=trainer_logprobs
-        )  # warm-up
+        engine.push_weights(served(), 1, trainer_logprobs=trainer_logprobs)  # warm-up
         version = 1
         for _ in range(args.repeats):  # interleaved, so the shared machine's load hits every variant alike
             for v in variants:
                 engine.syncer.options = dataclasses.replace(base, **VARIANTS[v])
                 version += 1
                 with Probe(url, model, engine.syncer.headers) as probe:
-                    m = engine.push_weights(
-                        models.iter_hf_tensors(config, params), version, trainer_logprobs=trainer_logprobs
-                    )
+                    m = engine.push_weights(served(), version, trainer_logprobs=trainer_logprobs)
                 timing = last_engine_timing(engine.servers[0].log_path)
                 rows[v].append(
                     {

@@ -116,10 +116,33 @@ class WeightSyncConfig:
     tcp_host: str = "127.0.0.1"  # tcp: this trainer's address as the servers reach it (bound while syncing)
     tcp_timeout_s: float = 30.0  # tcp: connect and per-receive timeout (a dead peer fails within it)
     bucket_mb: int = 64
-    # fp32 trainer and engine agree to ~1e-5 on sampled tokens; the canary's random tokens sit at log-probs
-    # of -20..-30 on a trained model, where fp32 rounding reaches ~2e-4. Broken syncs differ by >= 0.1.
-    canary_tolerance: float = 1e-3
+    # The dtype vLLM serves in and the weights are cast to (on device) before staging: "" or "auto" = the
+    # master dtype (model.param_dtype); bfloat16 halves the bytes moved and serves like bf16-compute presets.
+    dtype: str = _choice("", "", "auto", "float32", "bfloat16", "float16")
+    # 0: from the serving dtype (CANARY_TOLERANCES); > 0 overrides it.
+    canary_tolerance: float = 0.0
     checksums: bool = False
+
+
+# The canary's tolerance per serving dtype (max |trainer - vLLM| log-prob on its tokens). float32: trainer
+# and engine agree to ~1e-5 on sampled tokens; the canary's random tokens sit at log-probs of -20..-30 on a
+# trained model, where fp32 rounding reaches ~2e-4. Broken syncs differ by >= 0.1. bfloat16/float16: the
+# engine's weights are rounded (and it computes in that dtype) while the trainer uses its float32 masters:
+# measured on the default job (real vLLM CPU, bf16 serving, f32 masters, 40 steps): canary max |dlogp| per
+# sync median 0.18, max 0.38 (so 0.5; a thin margin: recheck on real models); float16 (3 more mantissa
+# bits, ~8x finer) scaled from it, not measured.
+CANARY_TOLERANCES = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.1}
+
+
+def serving_dtype(cfg: Config) -> str:
+    """The dtype vLLM serves in: `rollout.weight_sync.dtype`, or the master dtype for "" / "auto"."""
+    dtype = cfg.rollout.weight_sync.dtype
+    return cfg.model.param_dtype if dtype in ("", "auto") else dtype
+
+
+def canary_tolerance(cfg: Config) -> float:
+    """`rollout.weight_sync.canary_tolerance`, or the serving dtype's entry in `CANARY_TOLERANCES` for 0."""
+    return cfg.rollout.weight_sync.canary_tolerance or CANARY_TOLERANCES[serving_dtype(cfg)]
 
 
 @dataclass(frozen=True)
@@ -407,7 +430,6 @@ def _positive(cfg: Config) -> list[tuple[str, Any]]:
         ("algo.is_cap", cfg.algo.is_cap),
         ("rollout.vllm.gpu_memory_utilization", cfg.rollout.vllm.gpu_memory_utilization),
         ("rollout.vllm.startup_timeout_s", cfg.rollout.vllm.startup_timeout_s),
-        ("rollout.weight_sync.canary_tolerance", cfg.rollout.weight_sync.canary_tolerance),
     ]
 
 
@@ -418,6 +440,7 @@ _RANGES = (
     ("rollout.vllm.gpu_memory_utilization", 0.0, 1.0),  # and > 0: `_positive`
     ("rollout.vllm.kvcache_space_gib", 0, math.inf),
     ("rollout.eval_temperature", 0.0, math.inf),
+    ("rollout.weight_sync.canary_tolerance", 0.0, math.inf),  # 0: from the serving dtype
     ("reward.num_workers", 1, 256),  # each is a Python process with its own sandboxes
     ("optim.warmup_steps", 0, math.inf),
     ("optim.weight_decay", 0.0, math.inf),

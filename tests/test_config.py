@@ -135,7 +135,7 @@ def replace_fields(cfg, changes: dict):
         ({"algo.beta": -0.01}, "algo.beta", ">= 0.0"),
         ({"trainer.seed": -1}, "trainer.seed", "[0, 4294967295]"),
         ({"data.eval_size": -1}, "data.eval_size", ">= 0"),
-        ({"rollout.weight_sync.canary_tolerance": 0.0}, "rollout.weight_sync.canary_tolerance", "> 0"),
+        ({"rollout.weight_sync.canary_tolerance": -1.0}, "rollout.weight_sync.canary_tolerance", ">= 0.0"),
     ],
 )
 def test_validate_checks_finiteness_and_ranges(changes, field, fragment):

@@ -148,3 +148,27 @@ def test_update_left_open_by_a_dead_trainer_is_closed_by_the_next_push(served_qw
     requests.post(url + "/start_weight_update", headers=headers, timeout=30).raise_for_status()
     served_qwen2.push(perturbed(state, seed=31), version + 1)
     _assert_serves_reference(served_qwen2, version + 1)
+
+
+def test_sliced_push_is_assembled_by_the_worker(served_qwen2):
+    """Sharded staging's blocks (each tensor split by rows over 2 devices, `owned_shards`) are assembled
+    into full tensors by the vLLM worker before load_weights; the server then serves the reference."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from rljax.weight_sync.staging import owned_shards
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    state = perturbed(served_qwen2.ref.state(), seed=4242)
+    served_qwen2.ref.load(state)
+    items = []
+    for name, x in state.items():
+        spec = PartitionSpec("fsdp") if x.shape[0] % 2 == 0 else PartitionSpec()
+        sharded = jax.device_put(x, NamedSharding(mesh, spec))
+        items += [(name, d, tuple((s.start, s.stop) for s in i)) for i, d in owned_shards(sharded)]
+    assert len(items) > len(state)  # most tensors went as two blocks
+    version = served_qwen2.engine.version + 1
+    m = served_qwen2.engine.push_weights(iter(items), version, trainer_logprobs=served_qwen2.ref.logprobs)
+    assert m["weight_sync/canary_logprob_max_abs_diff"] <= TOL
+    assert m["weight_sync/bytes"] >= sum(v.nbytes for v in state.values())
+    _assert_serves_reference(served_qwen2, version)

@@ -8,6 +8,7 @@ must call them at the same point). In a single-process run all of these are chea
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -42,9 +43,29 @@ def broadcast_tree(tree: Any | None, like: Any | None = None) -> Any:
     return jax.tree.unflatten(treedef, [np.asarray(x) for x in out])
 
 
-def host_params(params: Any) -> Any:
-    """Params as fully addressable host values: the arrays themselves in one process (converted lazily,
-    one tensor at a time, by the weight sync), a gathered numpy copy per process otherwise."""
+def cast_params(params: Any, dtype: Any = None) -> Any:
+    """Floating leaves of `params` cast to `dtype` on their own devices, shardings kept (an elementwise
+    jit: no collective); `params` itself when `dtype` is None or every leaf already has it."""
+    floats = [x for x in jax.tree.leaves(params) if _floating(x)]
+    if dtype is None or all(x.dtype == jax.numpy.dtype(dtype) for x in floats):
+        return params
+    return _cast(params, jax.numpy.dtype(dtype))
+
+
+def _floating(x: Any) -> bool:
+    return jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(params: Any, dtype: Any) -> Any:
+    return jax.tree.map(lambda x: x.astype(dtype) if _floating(x) else x, params)
+
+
+def host_params(params: Any, dtype: Any = None) -> Any:
+    """Params (cast on device to the serving `dtype`, default: as they are) as fully addressable host
+    values: the arrays themselves in one process (converted lazily, one tensor at a time, by the weight
+    sync), a gathered numpy copy per process otherwise."""
+    params = cast_params(params, dtype)
     if jax.process_count() == 1:
         return params
     from jax.experimental import multihost_utils

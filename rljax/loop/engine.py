@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import kernels, models, trainer
-from rljax.config import Config
+from rljax.config import Config, canary_tolerance, serving_dtype
 from rljax.loop.distributed import host_params, is_leader, to_host
 from rljax.loop.recovery import FaultPlan, call_with_recovery, kill_halfway, kill_when_running
 from rljax.rollout import ClientOptions, ServerOptions, VLLMEngine, placement
@@ -123,8 +123,10 @@ class LoopEngine:
         *,
         max_restarts: int = 0,
         faults: FaultPlan | None = None,
+        dtype: str | None = None,
     ):
         self._engine, self._model_config, self._canary = engine, model_config, canary_logprobs
+        self._dtype = dtype  # the serving dtype: params are cast to it on device before staging
         self._max_restarts, self._faults = max_restarts, faults or FaultPlan()
         self._lock = threading.RLock()  # one recovery (or push) at a time
         self._epoch = 0  # recoveries done; a failure seen before the latest one needs no new restart
@@ -186,7 +188,7 @@ class LoopEngine:
                 host, version = self._current
                 local = jax.device_put(host, jax.local_devices()[0])
                 self._engine.recover(
-                    models.iter_hf_tensors(self._model_config, local),
+                    models.iter_hf_tensors(self._model_config, local, self._dtype),
                     version,
                     trainer_logprobs=functools.partial(local_logprobs, self._model_config, local),
                 )
@@ -202,7 +204,9 @@ class LoopEngine:
         return functools.partial(local_logprobs, self._model_config, host)
 
     def push_weights(self, params, version: int) -> dict:
-        host = host_params(params)  # a collective in multi-process runs: every process calls this
+        host = host_params(
+            params, self._dtype
+        )  # a collective in multi-process runs: every process calls this
         if self._engine is None:
             return {}
         faults = self._faults.next_call("sync")
@@ -212,7 +216,7 @@ class LoopEngine:
             first = [True]
 
             def tensors():
-                out = models.iter_hf_tensors(self._model_config, host)
+                out = models.iter_hf_tensors(self._model_config, host, self._dtype)
                 if "kill_server_mid_sync" in faults and first[0]:
                     out = kill_halfway(list(out), self._engine.servers)
                 first[0] = False
@@ -248,13 +252,13 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
     """The configured vLLM servers (started or connected, on the leader); logs in `workdir/vllm/`."""
     canary = make_canary_logprobs(cfg, model_config, mesh, data_parallel)
     if not is_leader():
-        return LoopEngine(None, model_config, canary)
+        return LoopEngine(None, model_config, canary, dtype=serving_dtype(cfg))
     vc, ws = cfg.rollout.vllm, cfg.rollout.weight_sync
     client = ClientOptions(request_timeout_s=vc.request_timeout_s, max_retries=vc.max_retries)
     sync = SyncOptions(
         bucket_bytes=ws.bucket_mb * 2**20,
         checksums=ws.checksums,
-        canary_tolerance=ws.canary_tolerance,
+        canary_tolerance=canary_tolerance(cfg),
         transport=ws.transport,
         tcp_host=ws.tcp_host,
         tcp_timeout_s=ws.tcp_timeout_s,
@@ -274,7 +278,7 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
         server = ServerOptions(
             cpus=place.server_cpus,
             idle_spin_s=vc.idle_spin_s,
-            dtype=cfg.model.param_dtype,
+            dtype=serving_dtype(cfg),
             max_model_len=vc.max_model_len,
             block_size=vc.block_size or None,
             gpu_memory_utilization=vc.gpu_memory_utilization,
@@ -293,7 +297,12 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
             sync_options=sync,
         )
     loop_engine = LoopEngine(
-        engine, model_config, canary, max_restarts=vc.max_restarts, faults=FaultPlan.from_env()
+        engine,
+        model_config,
+        canary,
+        max_restarts=vc.max_restarts,
+        faults=FaultPlan.from_env(),
+        dtype=serving_dtype(cfg),
     )
     if place.trainer_cpus:  # after the server started: its processes keep the cores they were given
         loop_engine.unpin_cpus = placement.allowed_cpus()  # restored by close()

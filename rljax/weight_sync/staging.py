@@ -181,7 +181,7 @@ class _BucketFile:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         self._f = open(fd, "wb", buffering=0)
 
-    def append(self, name: str, array: np.ndarray, checksum: bool) -> None:
+    def append(self, name: str, array: np.ndarray, checksum: bool, index=None) -> None:
         array = np.ascontiguousarray(array)
         data = memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
         pad = wire.aligned(self.size) - self.size
@@ -191,7 +191,7 @@ class _BucketFile:
         self._f.write(data)
         crc = zlib.crc32(data) if checksum else None
         self.entries.append(
-            wire.TensorEntry(name, wire_dtype(array), tuple(array.shape), offset, data.nbytes, crc)
+            wire.TensorEntry(name, wire_dtype(array), tuple(array.shape), offset, data.nbytes, crc, index)
         )
         self.size = offset + data.nbytes
 
@@ -211,6 +211,9 @@ def stage_buckets(
 ) -> Iterator[Bucket]:
     """Writes `tensors` into bucket files under `directory` and yields each `Bucket` once it is closed.
 
+    An item is `(hf_name, array)`, or `(hf_name, array, index)` for a block of the full tensor (sharded
+    staging: `index` is `((start, stop), ...)` per dimension, e.g. from `owned_shards`).
+
     With `spec` (`{hf_name: (shape, dtype)}` of the served checkpoint), an unknown name, a wrong shape or
     a duplicate raises ValueError naming it before that tensor is written. On any error the bucket being
     written is removed; buckets already yielded belong to the caller.
@@ -222,11 +225,12 @@ def stage_buckets(
     current: _BucketFile | None = None
     index = 0
     try:
-        for name, array in tensors:
+        for item in tensors:
+            name, array, block = (*item, None)[:3]
             array = np.asarray(array)
             if spec is not None:
                 nbytes = array.size * array.dtype.itemsize
-                entry = wire.TensorEntry(name, wire_dtype(array), tuple(array.shape), 0, nbytes)
+                entry = wire.TensorEntry(name, wire_dtype(array), tuple(array.shape), 0, nbytes, None, block)
                 wire.check_entries([entry], spec, seen)
             if (
                 current is not None
@@ -237,10 +241,26 @@ def stage_buckets(
                 current, index = None, index + 1
             if current is None:
                 current = _BucketFile(str(Path(directory) / f"{prefix}-{index:05d}"), index)
-            current.append(name, array, checksums)
+            current.append(name, array, checksums, block)
         if current is not None:
             done, current = current.close(), None
             yield done
     finally:
         if current is not None:
             current.close().unlink()
+
+
+def owned_shards(array) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+    """This process's part of a (possibly sharded, multi-process) jax array: `[(index, data)]`, one entry
+    per addressable shard whose `replica_id == 0`, `index` the shard's slices of the full tensor (ints
+    resolved: `slice(start, stop)` per dimension), `data` its host copy. Across every process of a job
+    each element is covered exactly once, and no shard is moved off its device before the host copy
+    (no all-gather). The building block of sharded staging: a bucket entry is (name, index, dtype, crc).
+    """
+    out = []
+    for shard in array.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(shard.index, array.shape, strict=True))
+        out.append((index, np.asarray(shard.data)))
+    return out

@@ -119,6 +119,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def start_weight_update(self) -> None:
         self._join_prefetch()
         self._seen, self._active, self._started = set(), True, False
+        self._slices = wire.SliceAssembler(self.spec())  # sharded staging: blocks -> full tensors
         self._timing = {"map": 0.0, "recv": 0.0, "load": 0.0, "finalize": 0.0, "buckets": 0, "bytes": 0}
         self._timing |= {"start": 0.0, "prefetch": 0.0}
         self._direct = bool(self.options.direct_load)
@@ -193,7 +194,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         else:
             buf, size = self._map(info.path)
         wire.check_entries(entries, self.spec(), self._seen, size)
-        weights = [(e.name, self._tensor(buf, e, info.copy)) for e in entries]
+        weights = [(e.name, self._tensor(buf, e, info.copy)) for e in entries if e.index is None]
+        weights += self._assembled(buf, [e for e in entries if e.index is not None])
         if buf is not None:
             if info.copy and isinstance(buf, mmap.mmap):
                 buf.close()
@@ -234,13 +236,22 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             self._timing["recv"] += time.perf_counter() - t0
         return buf, size
 
+    def _assembled(self, buf, entries: list[wire.TensorEntry]) -> list[tuple[str, torch.Tensor]]:
+        """Slices (sharded staging) copied into their full tensors; those now complete, to load."""
+        out = []
+        for e in entries:
+            raw = np.frombuffer(_checked_view(buf, e), _UINTS[wire.itemsize(e.dtype)]).reshape(e.shape)
+            full = self._slices.add(e.name, e.index, raw)
+            if full is not None:
+                out.append((e.name, torch.from_numpy(full).view(_TORCH_DTYPES[e.dtype])))
+                self._seen.add(e.name)
+        return out
+
     @staticmethod
     def _tensor(buf, e: wire.TensorEntry, copy: bool) -> torch.Tensor:
         if not e.nbytes:
             return torch.empty(e.shape, dtype=_TORCH_DTYPES[e.dtype])
-        view = memoryview(buf).cast("B")[e.offset : e.offset + e.nbytes]
-        if e.crc32 is not None and zlib.crc32(view) != e.crc32:
-            raise ValueError(f"weight sync: checksum mismatch for tensor {e.name!r} (bucket bytes corrupted)")
+        view = _checked_view(buf, e)
         # A read-only mapping: torch warns that the tensor is not writable; load_weights only reads it.
         t = torch.frombuffer(view, dtype=_TORCH_DTYPES[e.dtype]).view(e.shape)
         return t.clone() if copy else t
@@ -249,7 +260,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         try:
             self._join_prefetch()
             optional = frozenset({"lm_head.weight"}) if self._tied else frozenset()
-            missing = wire.missing_names(self.spec(), self._seen, optional)
+            missing = wire.missing_names(self.spec(), self._seen, optional) + self._slices.incomplete()
             if missing:
                 raise ValueError(
                     f"weight sync: tensor {missing[0]!r} was not pushed ({len(missing)} missing)"
@@ -305,6 +316,17 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def shutdown(self) -> None:
         self._release()
+
+
+_UINTS = {2: np.uint16, 4: np.uint32}  # raw element bits: numpy has no bfloat16
+
+
+def _checked_view(buf, e: wire.TensorEntry) -> memoryview:
+    """The bytes of entry `e` in `buf`, their crc32 checked when the sender set one."""
+    view = memoryview(buf).cast("B")[e.offset : e.offset + e.nbytes]
+    if e.crc32 is not None and zlib.crc32(view) != e.crc32:
+        raise ValueError(f"weight sync: checksum mismatch for tensor {e.name!r} (bucket bytes corrupted)")
+    return view
 
 
 def _entries(info: ShmUpdateInfo) -> list[wire.TensorEntry]:

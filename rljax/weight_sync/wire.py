@@ -18,6 +18,8 @@ import json
 import struct
 from pathlib import Path
 
+import numpy as np
+
 ALIGN = 64
 DTYPES = ("float32", "bfloat16", "float16")
 _ST_TO_NAME = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -33,13 +35,20 @@ class TensorEntry:
     offset: int
     nbytes: int
     crc32: int | None = None
+    # sharded staging: this entry is the block `((start, stop), ...)` of the full tensor `name`
+    # (`shape` is the block's); None: the whole tensor
+    index: tuple[tuple[int, int], ...] | None = None
 
     def to_wire(self) -> list:
-        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes, self.crc32]
+        item = [self.name, self.dtype, list(self.shape), self.offset, self.nbytes, self.crc32]
+        return item if self.index is None else item + [[list(r) for r in self.index]]
 
     @staticmethod
     def from_wire(item: list) -> TensorEntry:
-        name, dtype, shape, offset, nbytes, crc = item
+        name, dtype, shape, offset, nbytes, crc, *rest = item
+        if len(rest) > 1:
+            raise ValueError(f"weight sync: tensor entry {str(name)!r} has {len(item)} fields, expected 6-7")
+        index = None if not rest or rest[0] is None else tuple((int(a), int(b)) for a, b in rest[0])
         return TensorEntry(
             str(name),
             str(dtype),
@@ -47,6 +56,7 @@ class TensorEntry:
             int(offset),
             int(nbytes),
             None if crc is None else int(crc),
+            index,
         )
 
 
@@ -101,6 +111,8 @@ def check_entries(
         if e.name not in spec:
             raise ValueError(f"weight sync: unknown tensor {e.name!r} (not in the served checkpoint)")
         shape, _ = spec[e.name]
+        if e.index is not None:
+            shape = slice_shape(e.index, tuple(shape))
         if tuple(e.shape) != tuple(shape):
             raise ValueError(
                 f"weight sync: tensor {e.name!r} has shape {tuple(e.shape)}, expected {tuple(shape)}"
@@ -115,9 +127,10 @@ def check_entries(
             or (file_size is not None and e.offset + e.nbytes > file_size)
         ):
             raise ValueError(f"weight sync: tensor {e.name!r} has a bad byte range ({e.offset}, {e.nbytes})")
-        if e.name in seen or e.name in names:
+        key = e.name if e.index is None else (e.name, e.index)  # overlapping slices: the assembler's check
+        if key in seen or key in names:
             raise ValueError(f"weight sync: tensor {e.name!r} pushed twice in one update")
-        names.add(e.name)
+        names.add(key)
     seen |= names
 
 
@@ -142,3 +155,52 @@ def bucket_extent(entries: list[TensorEntry]) -> int:
 def missing_names(spec: dict, seen: set[str], optional: frozenset[str] = frozenset()) -> list[str]:
     """Names in `spec` (minus `optional`) that an update did not push, sorted."""
     return sorted(set(spec) - seen - optional)
+
+
+def slice_shape(index: tuple[tuple[int, int], ...], full_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the block `index` (`((start, stop), ...)` per dimension) of a tensor of `full_shape`;
+    ValueError if the block is not inside it."""
+    if len(index) != len(full_shape) or any(
+        not 0 <= a <= b <= n for (a, b), n in zip(index, full_shape, strict=False)
+    ):
+        raise ValueError(f"weight sync: slice {index} is not inside a tensor of shape {tuple(full_shape)}")
+    return tuple(b - a for a, b in index)
+
+
+class SliceAssembler:
+    """Builds full tensors from slices staged by several trainer processes (sharded staging), on the
+    receiving side, before `load_weights`: `add(name, index, block)` copies a block into the tensor's
+    buffer (allocated at the first slice, shape and dtype from `spec`/the block) and returns the full
+    numpy array once every element was written exactly once, else None. A slice outside the tensor or
+    overlapping one already received raises ValueError naming the tensor."""
+
+    def __init__(self, spec: dict):
+        self._spec = spec
+        self._parts: dict[str, tuple] = {}  # name -> (buffer, written mask, elements left)
+
+    def add(self, name: str, index: tuple[tuple[int, int], ...], block):
+        if name not in self._spec:
+            raise ValueError(f"weight sync: unknown tensor {name!r} (not in the served checkpoint)")
+        full_shape = tuple(self._spec[name][0])
+        if tuple(block.shape) != slice_shape(index, full_shape):
+            raise ValueError(f"weight sync: slice {index} of {name!r} has shape {tuple(block.shape)}")
+        if name not in self._parts:
+            count = 1
+            for n in full_shape:
+                count *= n
+            self._parts[name] = (np.empty(full_shape, block.dtype), np.zeros(full_shape, bool), count)
+        buf, seen, left = self._parts[name]
+        where = tuple(slice(a, b) for a, b in index)
+        if seen[where].any():
+            raise ValueError(f"weight sync: slice {index} of {name!r} overlaps one already received")
+        buf[where], seen[where] = block, True
+        left -= block.size
+        if left:
+            self._parts[name] = (buf, seen, left)
+            return None
+        del self._parts[name]
+        return buf
+
+    def incomplete(self) -> list[str]:
+        """Names with some but not all of their elements received, sorted."""
+        return sorted(self._parts)
