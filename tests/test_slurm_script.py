@@ -193,3 +193,32 @@ def test_missing_workdir_is_a_clear_error(tmp_path):
 def test_all_nodes_for_rollout_is_rejected(tmp_path):
     proc = dry_run(tmp_path, [f"--workdir={tmp_path}/run"], RLJAX_ROLLOUT_NODES="4", RLJAX_PLATFORM="cpu")
     assert proc.returncode == 2 and "needs at least one trainer node among 4 nodes" in proc.stderr
+
+
+def test_serve_refuses_a_wildcard_or_an_unallowed_remote_bind(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t" * 43)
+    token.chmod(0o600)
+    base = [
+        sys.executable,
+        "-m",
+        "rljax.rollout.serve",
+        "--port",
+        "8000",
+        "--token-file",
+        str(token),
+        "--print",
+    ]
+    cases = [
+        (["--host", "0.0.0.0"], ["--config.rollout.vllm.allow_remote=true"], "binds every interface"),
+        (["--host", "10.1.0.4"], [], "set rollout.vllm.allow_remote=true"),
+    ]
+    for host, overrides, message in cases:
+        cmd = [*base, *host, "--", "--config=configs/grpo.py", *overrides]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert proc.stderr.count("\n") == 1  # one line, no traceback
+    token.chmod(0o644)
+    cmd = [*base, "--host", "127.0.0.1", "--", "--config=configs/grpo.py"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "must be a regular file with mode 0600" in proc.stderr, proc.stderr
