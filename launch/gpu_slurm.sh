@@ -5,14 +5,20 @@
 #   sbatch --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 launch/gpu_slurm.sh -- \
 #       --config=configs/grpo.py:qwen2.5-0.5b --config.model.path=/models/Qwen2.5-0.5B-Instruct \
 #       --workdir=/shared/runs/run1
-# Dedicated rollout nodes (the last k nodes run `vllm serve`, the trainer gets --config.rollout.vllm.urls):
+# Dedicated rollout nodes (the last k nodes each run one vLLM server as a Slurm step of its own,
+# `python -m rljax.rollout.serve`: rljax's tcp weight-transfer backend, processed log-probs, bound to the
+# node's private address, every route but /health behind a per-job bearer token; the trainer is given the
+# URLs, the token file and tcp weight sync to its leader's private address; docs/scale.md):
 #   RLJAX_ROLLOUT_NODES=1 sbatch --nodes=3 --ntasks-per-node=8 --gpus-per-node=8 launch/gpu_slurm.sh -- ...
 # CPU-only cluster (what the tests run): RLJAX_PLATFORM=cpu sbatch --ntasks=2 launch/gpu_slurm.sh -- \
 #       --config=configs/grpo.py:smoke --workdir=/tmp/rljax_slurm
 #
 # Everything after `--` goes to `python -m rljax.main` unchanged (config file, --config.* overrides,
-# --workdir); with rollout nodes one `--config.rollout.vllm.urls=(...)` is appended. Logs: the Slurm output
-# file below, and <workdir>/logs/{batch.log, rank-<i>.log, preflight-rank-<i>.log, vllm-<node>.log}.
+# --workdir); with rollout nodes the rollout overrides are appended (`--config.rollout.vllm.urls=(...)`,
+# `.token_file=`, `.allow_remote=true`, `--config.rollout.weight_sync.transport=tcp`, `.tcp_host=`). The
+# token is generated for each start of the job in <workdir>/secrets/server_token (0600, directory 0700):
+# <workdir> must be on a file system the rollout nodes share, readable by the job's user only. Logs: the
+# Slurm output file below, and <workdir>/logs/{batch.log, rank-<i>.log, preflight-rank-<i>.log, vllm-<node>.log}.
 # Preemption: Slurm sends USR1 to this script 120 s before the time limit (--signal) and `scancel
 # --signal=USR1 --batch <job>` does the same by hand; the script forwards it to the training step, every
 # process saves at the next step boundary and exits 143, and the script runs `scontrol requeue` so the job
@@ -25,8 +31,13 @@
 #                                 driving all of its GPUs (RLJAX_LOCAL_DEVICE_IDS is set for it)
 #   RLJAX_CPU_DEVICES=k           simulated devices per process on CPU
 #   RLJAX_ROLLOUT_NODES=k         last k nodes serve vLLM (default 0: rljax starts its own server)
-#   RLJAX_VLLM_PORT (8000), RLJAX_VLLM_MODEL (default: the config's model.path), RLJAX_VLLM_ARGS,
-#   RLJAX_VLLM_CMD (default "vllm serve"), RLJAX_VLLM_TIMEOUT (600 s to become healthy)
+#   RLJAX_ROLLOUT_SHARE_NODES=1   the k servers run on the last k trainer nodes instead, still each as its
+#                                 own step (a single-node cluster; nodes with GPUs to spare)
+#   RLJAX_NODE_ADDRS=n1=a1,...    a node's private address (servers bind it, the trainer's tcp weight sync
+#                                 binds its leader's); default: the node's Slurm NodeAddr (scontrol show
+#                                 node), resolved to IPv4 with getent if it is a name; never 0.0.0.0
+#   RLJAX_VLLM_PORT (8000), RLJAX_VLLM_MODEL (default: the config's model.path), RLJAX_VLLM_ARGS (extra
+#   vLLM arguments, a word list), RLJAX_VLLM_TIMEOUT (600 s to become healthy)
 #   RLJAX_PYTHON                  interpreter (default: $SLURM_SUBMIT_DIR/.venv/bin/python, else python3)
 #   RLJAX_ENTRY                   module or .py file to run (default rljax.main; launch/selftest.py checks
 #                                 the launch path without the trainer)
@@ -78,11 +89,16 @@ RESTART="${SLURM_RESTART_COUNT:-0}"
 
 mapfile -t NODES < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?}")
 NUM_NODES=${#NODES[@]}
-((ROLLOUT_NODES >= 0 && ROLLOUT_NODES < NUM_NODES)) \
+((ROLLOUT_NODES >= 0 && (ROLLOUT_NODES < NUM_NODES || ${RLJAX_ROLLOUT_SHARE_NODES:-0} == 1))) \
   || die "RLJAX_ROLLOUT_NODES=$ROLLOUT_NODES needs at least one trainer node among $NUM_NODES nodes"
 NUM_TRAINER_NODES=$((NUM_NODES - ROLLOUT_NODES))
-TRAINER_NODES=("${NODES[@]:0:NUM_TRAINER_NODES}")
 SERVE_NODES=("${NODES[@]:NUM_TRAINER_NODES}")
+if [ "${RLJAX_ROLLOUT_SHARE_NODES:-0}" = 1 ]; then  # servers on the last trainer nodes, as steps of their own
+  ((ROLLOUT_NODES <= NUM_NODES)) || die "RLJAX_ROLLOUT_NODES=$ROLLOUT_NODES exceeds the job's $NUM_NODES nodes"
+  NUM_TRAINER_NODES=$NUM_NODES
+  SERVE_NODES=("${NODES[@]:NUM_NODES-ROLLOUT_NODES}")
+fi
+TRAINER_NODES=("${NODES[@]:0:NUM_TRAINER_NODES}")
 TRAINER_NODELIST=$(IFS=,; echo "${TRAINER_NODES[*]}")
 
 if [ "$PROCESS_PER" = node ]; then
@@ -141,38 +157,80 @@ SERVER_PIDS=()
 cleanup() { for pid in "${SERVER_PIDS[@]}"; do kill "$pid" 2>/dev/null; done; }
 trap cleanup EXIT
 
-start_rollout_servers() {
-  local model port urls=() node
-  port="${RLJAX_VLLM_PORT:-8000}"
-  model="${RLJAX_VLLM_MODEL:-}"
-  if [ -z "$model" ]; then
-    model=$("$RLJAX_PYTHON" -m rljax.launch --print-config model.path -- "${ARGS[@]}") \
-      || die "could not resolve model.path from the config"
+node_addr() {  # the private address of node $1 (RLJAX_NODE_ADDRS, else Slurm's NodeAddr), resolved to IPv4
+  local node=$1 entry addr=""
+  local -a entries=()
+  IFS=, read -ra entries <<<"${RLJAX_NODE_ADDRS:-}"
+  for entry in "${entries[@]}"; do [ "${entry%%=*}" = "$node" ] && addr="${entry#*=}"; done
+  if [ -z "$addr" ]; then
+    addr=$(scontrol -o show node "$node" 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
+    addr="${addr:-$node}"
   fi
+  [[ "$addr" =~ ^[0-9]+(\.[0-9]+){3}$ ]] || addr=$(getent ahostsv4 "$addr" | awk 'NR == 1 { print $1 }')
+  case "$addr" in
+    "" | 0.0.0.0) echo "rljax-slurm: error: no private address for node $node (set RLJAX_NODE_ADDRS=$node=ADDR)" >&2
+      return 2 ;;
+  esac
+  echo "$addr"
+}
+
+new_server_token() {  # one token per start of the job, readable by this user only (0700 dir, 0600 file)
+  local dir="$WORKDIR/secrets"
+  (umask 077 && mkdir -p "$dir") || die "cannot create $dir"
+  [ -O "$dir" ] && [ ! -L "$dir" ] || die "$dir is not owned by $(id -un)"
+  chmod 700 "$dir" || die "cannot chmod $dir"
+  TOKEN_FILE="$dir/server_token"
+  (umask 077 && head -c 32 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n' >"$TOKEN_FILE.tmp.$$" \
+    && mv -f "$TOKEN_FILE.tmp.$$" "$TOKEN_FILE") || die "cannot write $TOKEN_FILE"
+}
+
+rollout_args() {  # the trainer's overrides for the servers on SERVE_NODES; sets ROLLOUT_ARGS, SERVE_ADDRS
+  local port=$1 urls=() node addr leader
+  SERVE_ADDRS=()
   for node in "${SERVE_NODES[@]}"; do
-    # shellcheck disable=SC2206  # RLJAX_VLLM_CMD / RLJAX_VLLM_ARGS are word lists on purpose
+    addr=$(node_addr "$node") || exit 2
+    SERVE_ADDRS+=("$addr")
+    urls+=("'http://$addr:$port'")
+  done
+  leader=$(node_addr "${TRAINER_NODES[0]}") || exit 2
+  ROLLOUT_ARGS=("--config.rollout.vllm.urls=($(IFS=,; echo "${urls[*]}"),)"
+    "--config.rollout.vllm.token_file=$TOKEN_FILE" --config.rollout.vllm.allow_remote=true
+    --config.rollout.weight_sync.transport=tcp "--config.rollout.weight_sync.tcp_host=$leader")
+}
+
+start_rollout_servers() {  # one `rljax.rollout.serve` step per rollout node, then wait for /health
+  local port="${RLJAX_VLLM_PORT:-8000}" serve=() i arg
+  new_server_token
+  rollout_args "$port"
+  TRAIN_ARGS+=("${ROLLOUT_ARGS[@]}")
+  serve=(-m rljax.rollout.serve --port "$port" --token-file "$TOKEN_FILE")
+  [ -n "${RLJAX_VLLM_MODEL:-}" ] && serve+=(--model "$RLJAX_VLLM_MODEL")
+  for arg in ${RLJAX_VLLM_ARGS:-}; do serve+=("--vllm-arg=$arg"); done
+  for i in "${!SERVE_NODES[@]}"; do
+    local node="${SERVE_NODES[i]}" host=(--host "${SERVE_ADDRS[i]}")
     local cmd=(srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --output="$LOGDIR/vllm-$node.log"
-      --open-mode=append ${RLJAX_VLLM_CMD:-vllm serve} "$model" --host 0.0.0.0 --port "$port" ${RLJAX_VLLM_ARGS:-})
+      --open-mode=append "$RLJAX_PYTHON" "${serve[@]}" "${host[@]}" -- "${TRAIN_ARGS[@]}")
     if [ "${RLJAX_DRY_RUN:-0}" = 1 ]; then
       run "${cmd[@]}"
+      "$RLJAX_PYTHON" "${serve[@]}" "${host[@]}" --print -- "${TRAIN_ARGS[@]}" || die "bad rollout server setup"
     else
       "${cmd[@]}" &
       SERVER_PIDS+=($!)
     fi
-    urls+=("'http://$node:$port'")
   done
-  ROLLOUT_URLS_ARG="--config.rollout.vllm.urls=($(IFS=,; echo "${urls[*]}"),)"
   [ "${RLJAX_DRY_RUN:-0}" = 1 ] && return 0
-  for node in "${SERVE_NODES[@]}"; do
-    "$RLJAX_PYTHON" -m rljax.launch --wait-url "http://$node:$port/health" \
-      --timeout "${RLJAX_VLLM_TIMEOUT:-600}" || die "vLLM on $node not healthy; see $LOGDIR/vllm-$node.log"
+  local deadline=$((SECONDS + ${RLJAX_VLLM_TIMEOUT:-600}))
+  for i in "${!SERVE_NODES[@]}"; do  # until /health answers; a server step that exits fails at once
+    until "$RLJAX_PYTHON" -m rljax.launch --wait-url "http://${SERVE_ADDRS[i]}:$port/health" --timeout 10; do
+      kill -0 "${SERVER_PIDS[i]}" 2>/dev/null && ((SECONDS < deadline)) && continue
+      die "vLLM on ${SERVE_NODES[i]} not healthy; see $LOGDIR/vllm-${SERVE_NODES[i]}.log"
+    done
   done
+  log "rollout servers healthy: ${SERVE_ADDRS[*]} (port $port, token $TOKEN_FILE)"
 }
 
-ROLLOUT_URLS_ARG=""
-((ROLLOUT_NODES > 0)) && start_rollout_servers
 TRAIN_ARGS=("${ARGS[@]}")
-[ -n "$ROLLOUT_URLS_ARG" ] && TRAIN_ARGS+=("$ROLLOUT_URLS_ARG")
+((ROLLOUT_NODES > 0)) && start_rollout_servers
 
 # ---------------------------------------------------------------------------------------------- preflight
 if [ "${RLJAX_PREFLIGHT:-1}" = 1 ]; then

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -217,3 +218,40 @@ def test_grpo_preempted_resumes_from_saved_step(cluster, tiny_model, tmp_path):
     assert max(steps) == 6
     assert steps.count(saved[-1] + 1) == 1  # the step after the save ran once: resumed, not restarted
     assert 6 in checkpoint_steps(workdir)
+
+
+def metric_rows(workdir) -> list[dict]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    return [json.loads(line) for line in open(path) if line.strip()] if os.path.exists(path) else []
+
+
+def test_grpo_with_a_rollout_node_step_syncs_over_tcp(cluster, tiny_model, tmp_path):
+    """The rollout-node branch for real: the server is its own Slurm step (`rljax.rollout.serve`, on the
+    one node, so RLJAX_ROLLOUT_SHARE_NODES=1), bound to the node's Slurm NodeAddr (127.0.0.1 here), with the
+    job's token; the 2-process trainer connects by URL and pushes every version over tcp."""
+    require_training_loop()
+    workdir = tmp_path / "run"
+    args = smoke_args(workdir, tiny_model, "--config.trainer.steps=2", "--config.checkpoint.every_steps=100")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RLJAX_ROLLOUT_NODES": "1", "RLJAX_ROLLOUT_SHARE_NODES": "1", "RLJAX_VLLM_PORT": str(port)}
+    t0 = time.monotonic()
+    job = submit(cluster, workdir, args, **env)
+    state = cluster.wait_job(job, timeout_s=600)
+    print(f"rollout-node job: {state} in {time.monotonic() - t0:.0f} s")
+    assert state == "COMPLETED", (state, diagnostics(workdir))
+    assert_joined_one_job(workdir)
+    assert "finished 2 steps" in read(workdir / "logs" / "rank-0.log"), diagnostics(workdir)
+    token_file = workdir / "secrets" / "server_token"
+    assert os.stat(token_file).st_mode & 0o777 == 0o600
+    batch_log = read(workdir / "logs" / "batch.log")
+    assert f"rollout servers healthy: 127.0.0.1 (port {port}, token {token_file})" in batch_log
+    server_log = read(workdir / "logs" / "vllm-localhost.log")
+    assert "rljax.rollout.auth.BearerTokenMiddleware" in server_log, diagnostics(workdir)
+    assert token_file.read_text() not in server_log + batch_log
+    rows = [r for r in metric_rows(workdir) if "weight_sync/bytes" in r]
+    assert [int(r["step"]) for r in rows] == [1, 2], metric_rows(workdir)
+    for r in rows:  # every version pushed over tcp and verified by the canary against the trainer
+        assert r["weight_sync/bytes"] > 0
+        assert r["weight_sync/canary_logprob_max_abs_diff"] <= 1e-3  # rollout.weight_sync.canary_tolerance

@@ -1,4 +1,4 @@
-"""launch/gpu_slurm.sh's plan without a running cluster: node split, task layout, rollout URLs, args.
+"""launch/gpu_slurm.sh's plan without a running cluster: node split, task layout, rollout servers and args.
 
 RLJAX_DRY_RUN=1 prints the srun commands instead of running them; `scontrol show hostnames` only needs a
 slurm.conf (written by SlurmCluster, not started).
@@ -6,9 +6,11 @@ slurm.conf (written by SlurmCluster, not started).
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
+import sys
 
 import pytest
 from slurm_cluster import SlurmCluster, slurm_installed
@@ -31,6 +33,7 @@ def dry_run(tmp_path, args: list[str], **env: str) -> subprocess.CompletedProces
         "SLURM_NTASKS_PER_NODE": "8",
         "RLJAX_DRY_RUN": "1",
         "RLJAX_VLLM_MODEL": "/models/m",
+        "RLJAX_PYTHON": sys.executable,  # rljax.rollout.serve --print runs in the dry run
         **env,
     }
     return subprocess.run(
@@ -49,15 +52,49 @@ def srun_commands(out: str) -> list[list[str]]:
     return [shlex.split(line[len(prefix) :]) for line in out.splitlines() if line.startswith(prefix + "srun")]
 
 
-def test_rollout_nodes_split_and_urls(tmp_path):
+def served_commands(out: str) -> list[tuple[dict[str, str], list[str]]]:
+    """(environment changes, argv) of each vLLM server the dry run's `rljax.rollout.serve --print` showed."""
+    servers, env = [], {}
+    for line in out.splitlines():
+        if line.startswith("rljax-serve: env "):
+            key, _, value = line[len("rljax-serve: env ") :].partition("=")
+            env[key] = shlex.split(value)[0] if value else ""
+        elif line.startswith("rljax-serve: exec "):
+            servers.append((env, shlex.split(line[len("rljax-serve: exec ") :])))
+            env = {}
+    return servers
+
+
+def flag(argv: list[str], name: str) -> str:
+    assert argv.count(name) == 1, (name, argv)
+    return argv[argv.index(name) + 1]
+
+
+ADDRS = "gpu01=10.1.0.1,gpu02=10.1.0.2,gpu03=10.1.0.3,gpu04=10.1.0.4"
+
+
+def test_rollout_nodes_split_urls_and_server_command(tmp_path):
     workdir = tmp_path / "run"
     args = ["--config=configs/grpo.py", "--config.trainer.steps=5", f"--workdir={workdir}"]
-    proc = dry_run(tmp_path, args, RLJAX_ROLLOUT_NODES="1", RLJAX_PLATFORM="cpu")
+    proc = dry_run(tmp_path, args, RLJAX_ROLLOUT_NODES="1", RLJAX_PLATFORM="cpu", RLJAX_NODE_ADDRS=ADDRS)
     assert proc.returncode == 0, proc.stderr
-    vllm, preflight, train = srun_commands(proc.stdout)
-    assert "--nodelist=gpu04" in vllm
-    assert vllm[-7:] == ["vllm", "serve", "/models/m", "--host", "0.0.0.0", "--port", "8000"]
-    urls = "--config.rollout.vllm.urls=('http://gpu04:8000',)"
+    serve, preflight, train = srun_commands(proc.stdout)
+    token_file = workdir / "secrets" / "server_token"
+    assert os.stat(token_file).st_mode & 0o777 == 0o600 and len(token_file.read_text()) >= 43
+    assert os.stat(token_file.parent).st_mode & 0o777 == 0o700
+    rollout = [
+        "--config.rollout.vllm.urls=('http://10.1.0.4:8000',)",
+        f"--config.rollout.vllm.token_file={token_file}",
+        "--config.rollout.vllm.allow_remote=true",
+        "--config.rollout.weight_sync.transport=tcp",
+        "--config.rollout.weight_sync.tcp_host=10.1.0.1",  # the trainer's leader, gpu01
+    ]
+    assert serve[:5] == ["srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=gpu04"]
+    i = serve.index("rljax.rollout.serve")
+    assert serve[i + 1 :] == [
+        *["--port", "8000", "--token-file", str(token_file), "--model", "/models/m"],
+        *["--host", "10.1.0.4", "--", *args, *rollout],
+    ]
     layout = [
         "--kill-on-bad-exit=1",
         "--nodes=3",
@@ -67,10 +104,60 @@ def test_rollout_nodes_split_and_urls(tmp_path):
     ]
     for cmd in (preflight, train):
         assert cmd[1:6] == layout, cmd
-    assert preflight[-5:] == ["-m", "rljax.preflight", *args, urls][-5:]
-    assert train[-6:] == ["-m", "rljax.main", *args, urls]  # the user's args unchanged, then the URLs
+    assert preflight[-len(args) - 7 :] == ["-m", "rljax.preflight", *args, *rollout]
+    assert train[-len(args) - 7 :] == ["-m", "rljax.main", *args, *rollout]  # the user's args, then ours
     assert f"--output={workdir}/logs/rank-%t.log" in train
     assert "coordinator gpu01:" in proc.stderr and os.path.isdir(workdir / "logs")
+    # The server itself, as `rljax.rollout.serve` execs it on gpu04:
+    ((env, argv),) = served_commands(proc.stdout)
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert flag(argv, "--model") == "/models/m"
+    assert flag(argv, "--host") == "10.1.0.4" and flag(argv, "--port") == "8000"  # the private address only
+    assert json.loads(flag(argv, "--weight-transfer-config")) == {"backend": "tcp"}
+    assert flag(argv, "--logprobs-mode") == "processed_logprobs"
+    assert flag(argv, "--middleware") == "rljax.rollout.auth.BearerTokenMiddleware"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["RLJAX_SERVER_TOKEN_FILE"] == str(token_file)
+    assert token_file.read_text() not in proc.stdout + proc.stderr  # on no command line, in no log
+
+
+def test_two_rollout_nodes_get_one_token_and_their_own_addresses(tmp_path):
+    workdir = tmp_path / "run"
+    args = ["--config=configs/grpo.py", f"--workdir={workdir}"]
+    proc = dry_run(tmp_path, args, RLJAX_ROLLOUT_NODES="2", RLJAX_PLATFORM="cpu", RLJAX_NODE_ADDRS=ADDRS)
+    assert proc.returncode == 0, proc.stderr
+    serve3, serve4, _, train = srun_commands(proc.stdout)
+    assert "--config.rollout.vllm.urls=('http://10.1.0.3:8000','http://10.1.0.4:8000',)" in train
+    servers = served_commands(proc.stdout)
+    assert [flag(argv, "--host") for _, argv in servers] == ["10.1.0.3", "10.1.0.4"]
+    assert {env["RLJAX_SERVER_TOKEN_FILE"] for env, _ in servers} == {
+        str(workdir / "secrets" / "server_token")
+    }
+    assert "--nodelist=gpu03" in serve3 and "--nodelist=gpu04" in serve4
+
+
+def test_rollout_node_without_an_address_is_a_clear_error(tmp_path):
+    # gpu04 has no entry and its name does not resolve (no running slurmctld to ask for its NodeAddr)
+    args = ["--config=configs/grpo.py", f"--workdir={tmp_path}/run"]
+    proc = dry_run(tmp_path, args, RLJAX_ROLLOUT_NODES="1", RLJAX_NODE_ADDRS="gpu01=10.1.0.1")
+    assert proc.returncode == 2
+    assert "no private address for node gpu04 (set RLJAX_NODE_ADDRS=gpu04=ADDR)" in proc.stderr
+
+
+def test_wildcard_address_is_refused(tmp_path):
+    args = ["--config=configs/grpo.py", f"--workdir={tmp_path}/run"]
+    env = {"RLJAX_ROLLOUT_NODES": "1", "RLJAX_NODE_ADDRS": "gpu01=10.1.0.1,gpu04=0.0.0.0"}
+    proc = dry_run(tmp_path, args, **env)
+    assert proc.returncode == 2 and "no private address for node gpu04" in proc.stderr
+
+
+def test_rollout_servers_may_share_the_trainer_nodes(tmp_path):
+    args = ["--config=configs/grpo.py", f"--workdir={tmp_path}/run"]
+    env = {"RLJAX_ROLLOUT_NODES": "1", "RLJAX_ROLLOUT_SHARE_NODES": "1", "RLJAX_NODE_ADDRS": ADDRS}
+    proc = dry_run(tmp_path, args, RLJAX_PLATFORM="cpu", **env)
+    assert proc.returncode == 0, proc.stderr
+    serve, _, train = srun_commands(proc.stdout)
+    assert "--nodelist=gpu04" in serve and "--nodelist=gpu01,gpu02,gpu03,gpu04" in train
 
 
 def test_one_process_per_node_drives_all_gpus(tmp_path):
@@ -106,3 +193,32 @@ def test_missing_workdir_is_a_clear_error(tmp_path):
 def test_all_nodes_for_rollout_is_rejected(tmp_path):
     proc = dry_run(tmp_path, [f"--workdir={tmp_path}/run"], RLJAX_ROLLOUT_NODES="4", RLJAX_PLATFORM="cpu")
     assert proc.returncode == 2 and "needs at least one trainer node among 4 nodes" in proc.stderr
+
+
+def test_serve_refuses_a_wildcard_or_an_unallowed_remote_bind(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t" * 43)
+    token.chmod(0o600)
+    base = [
+        sys.executable,
+        "-m",
+        "rljax.rollout.serve",
+        "--port",
+        "8000",
+        "--token-file",
+        str(token),
+        "--print",
+    ]
+    cases = [
+        (["--host", "0.0.0.0"], ["--config.rollout.vllm.allow_remote=true"], "binds every interface"),
+        (["--host", "10.1.0.4"], [], "set rollout.vllm.allow_remote=true"),
+    ]
+    for host, overrides, message in cases:
+        cmd = [*base, *host, "--", "--config=configs/grpo.py", *overrides]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert proc.stderr.count("\n") == 1  # one line, no traceback
+    token.chmod(0o644)
+    cmd = [*base, "--host", "127.0.0.1", "--", "--config=configs/grpo.py"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "must be a regular file with mode 0600" in proc.stderr, proc.stderr
