@@ -198,6 +198,7 @@ def test_tokens_equal_vllm_chat_endpoint(tmp_path, chat_dir, tokenizer):
     import requests
 
     from rljax.rollout import ServerOptions, VLLMServer
+    from rljax.rollout.auth import bearer_headers
 
     options = ServerOptions(gpu_memory_utilization=0.08, kvcache_space_gib=1, max_model_len=512)
     renderer = make_prompt_renderer(tokenizer, template="Q: {prompt}", chat_template=True, system_prompt="S.")
@@ -207,6 +208,7 @@ def test_tokens_equal_vllm_chat_endpoint(tmp_path, chat_dir, tokenizer):
             messages = renderer.messages(example)
             response = requests.post(
                 f"{server.url}/v1/chat/completions",
+                headers=bearer_headers(server.token),
                 json={
                     "model": str(chat_dir),
                     "messages": messages,

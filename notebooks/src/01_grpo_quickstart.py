@@ -100,6 +100,7 @@ engine = VLLMEngine.launch(
 )
 atexit.register(engine.close)
 cd.rollout.vllm.urls = tuple(engine.urls)  # the loop connects to this server instead of starting one
+cd.rollout.vllm.token_file = str(engine.servers[0].token_file)  # ... with the bearer token it was started with
 cfg = config_lib.validate(config_lib.from_config_dict(cd))  # the typed, checked config rljax.main uses
 print(f"vLLM up at {engine.urls[0]} in {time.perf_counter() - t0:.1f} s")
 
