@@ -5,13 +5,23 @@ restarted and re-synced with no prompt lost. The vLLM tests share two real CPU s
 
 import asyncio
 import dataclasses
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from vllm_server import TEST_SERVER_OPTIONS, TorchReference, perturbed
 
 from rljax.config import Config, ConfigError, validate
+from rljax.loop.recovery import call_with_recovery, kill_when_running
+from rljax.rollout import ClientOptions, RolloutClient, VLLMEngine
+from rljax.rollout.auth import bearer_headers
 from rljax.rollout.client import _Queues, least_loaded, progress_count
 from rljax.rollout.server import ServerOptions, server_command
+from rljax.weight_sync.canary import server_prompt_logprobs
 
 ASSET = str(Path(__file__).resolve().parents[1] / "assets" / "tiny_arith")
 TOL = 1e-4  # float32 vLLM CPU kernels vs transformers: ~5e-6 measured (tests/test_weight_sync.py)
@@ -86,3 +96,109 @@ def test_server_command_passes_tensor_and_data_parallel_sizes():
     cmd = server_command("/m", "127.0.0.1", 1, ServerOptions(tensor_parallel_size=2, data_parallel_size=4))
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert cmd[cmd.index("--data-parallel-size") + 1] == "4"
+
+
+# --- two real servers ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory):
+    """Two owned tiny_arith servers behind one engine (started at once), with a transformers reference."""
+    engine = VLLMEngine.launch(
+        ASSET, tmp_path_factory.mktemp("multi"), replicas=2, server_options=TEST_SERVER_OPTIONS
+    )
+    try:
+        yield engine, TorchReference(ASSET)
+    finally:
+        engine.close()
+
+
+def _push(engine, ref, version: int, seed: int) -> dict:
+    state = perturbed(ref.state(), seed=seed)
+    ref.load(state)
+    return engine.push_weights(iter(state.items()), version, trainer_logprobs=ref.logprobs)
+
+
+def _assert_every_server_serves(engine, ref, version: int) -> None:
+    want = ref.logprobs(*PROBE)
+    for url in engine.urls:
+        assert engine.syncer.server_version(url) == str(version)
+        got = server_prompt_logprobs(url, engine.client.model, *PROBE, headers=bearer_headers(engine.token))
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+
+
+def _share(engine, before: dict) -> dict:
+    return {u: engine.client.sent[u] - before[u] for u in engine.urls}
+
+
+@pytest.mark.vllm
+def test_both_servers_get_every_version_and_requests_split_by_queue_depth(two_servers):
+    engine, ref = two_servers
+    assert len({s.port for s in engine.servers}) == 2
+    for version in (1, 2):
+        metrics = _push(engine, ref, version, seed=version)
+        assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= TOL
+        _assert_every_server_serves(engine, ref, version)
+    before = dict(engine.client.sent)
+    out = engine.generate(
+        [[3, 14, 15, 9, 26, 5 + i % 7] for i in range(64)], n=2, temperature=1.0, max_tokens=8
+    )
+    assert len(out) == 128 and {c.policy_version for c in out} == {2}
+    sent = _share(engine, before)
+    print(f"requests per server: {sent}")
+    assert sum(sent.values()) == 64 and max(sent.values()) <= 0.6 * 64
+    assert engine.metrics()["rollout/max_server_share"] <= 0.6
+
+
+@pytest.mark.vllm
+def test_a_stalled_servers_requests_move_to_the_other_without_a_total_timeout(two_servers):
+    engine, _ = two_servers
+    stalled = engine.servers[1]
+    options = ClientOptions(no_progress_timeout_s=3.0, retry_backoff_s=0.05)
+    client = RolloutClient(
+        engine.urls, engine.client.model, gate=engine.gate, options=options, token=engine.token
+    )
+    os.killpg(stalled.pid, signal.SIGSTOP)  # alive, accepts connections, answers nothing
+    try:
+        out = client.generate([[3, 14, 15, 9, 26, i] for i in range(8)], n=2, temperature=1.0, max_tokens=8)
+    finally:
+        os.killpg(stalled.pid, signal.SIGCONT)
+        client.close()
+    assert sorted({c.prompt_index for c in out}) == list(range(8)) and len(out) == 16
+    assert client.sent[stalled.url] >= 1  # some went there first, timed out for lack of progress, moved
+    assert client.sent[engine.urls[0]] == 8
+
+
+@pytest.mark.vllm
+def test_killing_one_server_mid_step_is_recovered_with_no_prompt_lost(two_servers):
+    engine, ref = two_servers
+    version = engine.version
+    victim, done = engine.servers[1], threading.Event()
+    killer = kill_when_running([victim], done)
+    prompts = [[3, 14, 15, 9, 26, 5 + i % 7] for i in range(64)]
+    try:
+        out = engine.generate(prompts, n=2, temperature=1.0, max_tokens=16)
+    finally:
+        done.set()
+        killer["thread"].join()
+    assert killer["killed"], "the victim finished before it could be killed"
+    assert len(out) == 128 and sorted({c.prompt_index for c in out}) == list(range(64))  # no prompt lost
+    state = perturbed(ref.state(), seed=7)
+    ref.load(state)
+
+    def push():
+        return engine.push_weights(iter(state.items()), version + 1, trainer_logprobs=ref.logprobs)
+
+    def recover():
+        return engine.recover(iter(state.items()), version + 1, trainer_logprobs=ref.logprobs)
+
+    stats: dict = {}
+    t0 = time.perf_counter()
+    metrics = call_with_recovery(push, recover, max_restarts=2, what="weight sync", stats=stats)
+    print(f"recovery: {stats}, step push incl. recovery {time.perf_counter() - t0:.1f} s")
+    assert stats["recovery/restarts"] == 1.0 and victim.healthy()
+    assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= TOL
+    _assert_every_server_serves(engine, ref, version + 1)
+    before = dict(engine.client.sent)
+    again = engine.generate(prompts, n=2, temperature=1.0, max_tokens=8)
+    assert len(again) == 128 and min(_share(engine, before).values()) > 0  # the restarted one serves again

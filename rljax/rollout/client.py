@@ -79,6 +79,15 @@ def least_loaded(outstanding: dict[str, int], cap: int, avoid: frozenset[str] = 
     return min(free, key=lambda u: outstanding[u]) if free else None
 
 
+async def _read_progress(session: aiohttp.ClientSession, url: str) -> float | None:
+    """`progress_count` of a server, None when its `/metrics` does not answer (in the session's timeout)."""
+    try:
+        async with session.get(url + "/metrics") as r:
+            return progress_count(await r.text()) if r.status == 200 else None
+    except (TimeoutError, aiohttp.ClientError):
+        return None
+
+
 class _Queues:
     """Outstanding requests per server (on the client's event loop) and each server's progress clock."""
 
@@ -216,12 +225,9 @@ class RolloutClient:
         http_timeout = aiohttp.ClientTimeout(total=max(poll, min(timeout_s, 5.0)))
         async with aiohttp.ClientSession(timeout=http_timeout, headers=self._headers) as session:
             while True:
-                for url in [u for u, k in queues.outstanding.items() if k > 0]:
-                    try:
-                        async with session.get(url + "/metrics") as r:
-                            count = progress_count(await r.text()) if r.status == 200 else None
-                    except (TimeoutError, aiohttp.ClientError):
-                        count = None
+                busy = [u for u, k in queues.outstanding.items() if k > 0]
+                counts = await asyncio.gather(*(_read_progress(session, u) for u in busy))
+                for url, count in zip(busy, counts, strict=True):
                     queues.observe(url, count, timeout_s)
                 await asyncio.sleep(poll)
 
