@@ -202,3 +202,64 @@ def test_killing_one_server_mid_step_is_recovered_with_no_prompt_lost(two_server
     before = dict(engine.client.sent)
     again = engine.generate(prompts, n=2, temperature=1.0, max_tokens=8)
     assert len(again) == 128 and min(_share(engine, before).values()) > 0  # the restarted one serves again
+
+
+class _ScriptedServer:
+    """A stand-in HTTP server (control flow only): `/v1/completions` answers after `delay_s`; its `/metrics`
+    token counter moves while `progressing` (a long generation) or stays put (a hung engine)."""
+
+    def __init__(self, delay_s: float, progressing: bool):
+        from aiohttp import web
+
+        self.delay_s, self.progressing, self.tokens = delay_s, progressing, 0
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_get("/metrics", self._metrics)
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+
+    async def _complete(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        await asyncio.sleep(self.delay_s)
+        choice = {
+            "index": 0,
+            "finish_reason": "length",
+            "token_ids": [7],
+            "logprobs": {"token_logprobs": [-1.0]},
+        }
+        return web.json_response({"choices": [choice] * body["n"]})
+
+    async def _metrics(self, request):
+        from aiohttp import web
+
+        self.tokens += 1 if self.progressing else 0
+        return web.Response(text=f'vllm:generation_tokens_total{{engine="0"}} {self.tokens}.0\n')
+
+    def close(self):  # a daemon thread: stopping its loop leaves the (possibly hung) handler behind
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def test_a_progressing_request_outlives_the_timeout_and_a_hung_one_moves():
+    slow = _ScriptedServer(delay_s=3.0, progressing=True)  # 3 s > the 1 s no-progress timeout
+    hung = _ScriptedServer(delay_s=60.0, progressing=False)
+    options = ClientOptions(no_progress_timeout_s=1.0, retry_backoff_s=0.01)
+    client = RolloutClient([hung.url, slow.url], "m", options=options)
+    try:
+        out = client.generate([[1], [2], [3], [4]], n=1, temperature=1.0, max_tokens=1)
+    finally:
+        client.close()
+        slow.close()
+        hung.close()
+    assert sorted(c.prompt_index for c in out) == [0, 1, 2, 3]
+    assert client.sent == {
+        hung.url: 2,
+        slow.url: 4,
+    }  # 2 placed on the hung one, moved; none of slow's retried
