@@ -85,7 +85,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class VLLMConfig:
-    urls: tuple = ()  # existing servers; empty: rljax starts and owns one
+    urls: tuple = ()  # existing servers; empty: rljax starts and owns `num_servers`
+    num_servers: int = 1  # owned servers (each on its own port of `host`, one token for all)
+    tensor_parallel_size: int = 1  # of each owned server (vLLM --tensor-parallel-size)
+    data_parallel_size: int = 1  # of each owned server (vLLM --data-parallel-size)
     host: str = "127.0.0.1"  # owned servers bind here; a non-loopback host needs allow_remote
     allow_remote: bool = False  # allow a non-loopback host (every route still needs the run's bearer token)
     token_file: str = ""  # servers in `urls`: a 0600 file with their bearer token ("" = they need none)
@@ -97,7 +100,9 @@ class VLLMConfig:
     # 0: vLLM's default (128 on CPU). The canary's prompt spans 2 blocks, so small blocks keep it cheap.
     block_size: int = 32
     startup_timeout_s: float = 300.0
-    request_timeout_s: float = 120.0
+    # A request fails (and is retried elsewhere) when its server processed no token for this long; a long
+    # generation that progresses never times out.
+    no_progress_timeout_s: float = 120.0
     max_retries: int = 2
     max_restarts: int = 3  # restarts of a dead/hung server (re-sync, resubmit) before the run stops
     extra_args: tuple = ()
@@ -157,6 +162,7 @@ class RolloutConfig:
     max_tokens: int = 16
     stop_token_ids: tuple = ()
     eval_temperature: float = 1.0  # eval/accuracy = expected pass@1 at the sampling temperature
+    max_in_flight: int = 64  # requests outstanding per server (each goes to the least loaded one)
     vllm: VLLMConfig = VLLMConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
 
@@ -584,8 +590,24 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"rollout.vllm.{key}", f"must be >= 0, got {getattr(ro.vllm, key)}")
     if ro.vllm.idle_spin_s < 0:
         raise ConfigError("rollout.vllm.idle_spin_s", f"must be >= 0, got {ro.vllm.idle_spin_s}")
-    if not ro.vllm.request_timeout_s > 0:
-        raise ConfigError("rollout.vllm.request_timeout_s", f"must be > 0, got {ro.vllm.request_timeout_s}")
+    if not ro.vllm.no_progress_timeout_s > 0:
+        raise ConfigError(
+            "rollout.vllm.no_progress_timeout_s", f"must be > 0, got {ro.vllm.no_progress_timeout_s}"
+        )
+    counts = {
+        "rollout.max_in_flight": ro.max_in_flight,
+        "rollout.vllm.num_servers": ro.vllm.num_servers,
+        "rollout.vllm.tensor_parallel_size": ro.vllm.tensor_parallel_size,
+        "rollout.vllm.data_parallel_size": ro.vllm.data_parallel_size,
+    }
+    for key, value in counts.items():
+        if not (isinstance(value, int) and value >= 1):
+            raise ConfigError(key, f"must be an integer >= 1, got {value!r}")
+    if ro.vllm.urls and ro.vllm.num_servers != 1:
+        raise ConfigError(
+            "rollout.vllm.num_servers",
+            f"{ro.vllm.num_servers} owned servers and rollout.vllm.urls (connected servers) are exclusive",
+        )
     if not (ro.vllm.urls or ro.vllm.allow_remote or is_loopback_host(ro.vllm.host)):
         raise ConfigError(
             "rollout.vllm.host",

@@ -105,6 +105,12 @@ class _FakeEngine:
         self.syncer = type("Syncer", (), {"reset": lambda self: None})()
         self.both_in_flight = threading.Barrier(2, timeout=10)
 
+    def restart_unhealthy(self):
+        dead = [s for s in self.servers if not s.healthy()]
+        for s in dead:
+            s.restart()
+        return dead
+
     def generate(self, prompts, **sampling):
         if not self.servers[0].alive:
             self.both_in_flight.wait()

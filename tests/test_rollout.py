@@ -82,7 +82,7 @@ def test_no_reachable_server_raises_rollout_error_quickly():
     client = RolloutClient(
         [f"http://127.0.0.1:{free_port()}"],
         "m",
-        options=ClientOptions(max_retries=2, retry_backoff_s=0.05, request_timeout_s=5.0),
+        options=ClientOptions(max_retries=2, retry_backoff_s=0.05, connect_timeout_s=5.0),
     )
     t0 = time.monotonic()
     try:

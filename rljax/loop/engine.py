@@ -180,9 +180,7 @@ class LoopEngine:
             if self._epoch != seen_epoch:
                 return False
             if self._current is None:  # nothing pushed yet: a restarted server loads the same checkpoint
-                for server in self._engine.servers:
-                    if not server.healthy():
-                        server.restart()
+                self._engine.restart_unhealthy()
                 self._engine.syncer.reset()
             else:
                 host, version = self._current
@@ -249,12 +247,17 @@ class LoopEngine:
 
 
 def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: int) -> LoopEngine:
-    """The configured vLLM servers (started or connected, on the leader); logs in `workdir/vllm/`."""
+    """The configured vLLM servers (`rollout.vllm.num_servers` started, or connected by URL, on the leader);
+    logs in `workdir/vllm/replica_<i>/`."""
     canary = make_canary_logprobs(cfg, model_config, mesh, data_parallel)
     if not is_leader():
         return LoopEngine(None, model_config, canary, dtype=serving_dtype(cfg))
     vc, ws = cfg.rollout.vllm, cfg.rollout.weight_sync
-    client = ClientOptions(request_timeout_s=vc.request_timeout_s, max_retries=vc.max_retries)
+    client = ClientOptions(
+        no_progress_timeout_s=vc.no_progress_timeout_s,
+        max_retries=vc.max_retries,
+        max_in_flight=cfg.rollout.max_in_flight,
+    )
     sync = SyncOptions(
         bucket_bytes=ws.bucket_mb * 2**20,
         checksums=ws.checksums,
@@ -284,6 +287,8 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
             gpu_memory_utilization=vc.gpu_memory_utilization,
             kvcache_space_gib=vc.kvcache_space_gib,
             seed=cfg.trainer.seed,
+            tensor_parallel_size=vc.tensor_parallel_size,
+            data_parallel_size=vc.data_parallel_size,
             startup_timeout_s=vc.startup_timeout_s,
             extra_args=tuple(vc.extra_args),
             allow_remote=vc.allow_remote,
@@ -291,6 +296,7 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
         engine = VLLMEngine.launch(
             cfg.model.path,
             os.path.join(workdir, "vllm"),
+            replicas=vc.num_servers,
             host=vc.host,
             server_options=server,
             client_options=client,

@@ -136,6 +136,8 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
      "Non-padding tokens (prompt + response) through the update / timing/update_s."),
     ("rollout/tokens_per_s", "tokens/s", "ratio",
      "Generation throughput reported by the rollout engine (its own clock, host overhead excluded)."),
+    ("rollout/max_server_share", "fraction", "max",
+     "Largest fraction of this step's rollout requests answered by one server (1/servers is even)."),
     ("perf/mfu", "fraction", "ratio",
      "Model FLOPs utilization of the update: its model FLOPs (rljax.trainer.flops) / timing/update_s / "
      "(peak FLOP/s x devices); peak from metrics.peak_flops_per_device, else the device kind's bf16 "

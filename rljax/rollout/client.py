@@ -7,16 +7,23 @@ tokens); for greedy requests (T = 0) it is `log_softmax(logits)`. `rljax.trainer
 the sampler's temperature; with the defaults top_p = 1 and top_k = 0 (off) the two agree exactly.
 
 `generate` sends one request per prompt (`n` samples each; per-prompt seed `seed + i * n`, vLLM gives
-sample j `seed + i * n + j`), up to `max_in_flight` at once, round-robin over the replicas. A failed
-request (connection error, HTTP error, timeout, a choice aborted by a pause) is retried on the next
-replica up to `max_retries` times; then the whole call raises `RolloutError`. Nothing is dropped:
+sample j `seed + i * n + j`), each to the server with the fewest outstanding requests (queue depth,
+counted over every concurrent `generate` call of this client), at most `max_in_flight` per server. A
+failed request (connection error, HTTP error, a choice aborted by a pause, no progress) is retried on
+another server up to `max_retries` times; then the whole call raises `RolloutError`. Nothing is dropped:
 the call returns exactly `len(prompts) * n` completions or raises.
+
+There is no total request timeout (a long generation is fine while it progresses): a watchdog reads each
+busy server's vLLM token counters (`/metrics`) every second, and the requests of a server that has
+processed no prompt or generated token for `no_progress_timeout_s` (or whose `/metrics` does not answer
+that long) fail with `TimeoutError` and are retried elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -46,10 +53,81 @@ class Completion:
 
 @dataclasses.dataclass(frozen=True)
 class ClientOptions:
-    request_timeout_s: float = 120.0
+    no_progress_timeout_s: float = 120.0  # a busy server with no new token for this long fails its requests
     max_retries: int = 2
     retry_backoff_s: float = 0.5
-    max_in_flight: int = 64
+    max_in_flight: int = 64  # per server
+    connect_timeout_s: float = 10.0
+    # A server a request just failed on gets no new requests for this long while another one is up.
+    failed_server_pause_s: float = 5.0
+
+
+# vLLM's token counters (Prometheus): any change means the server is making progress.
+_PROGRESS = re.compile(r"^vllm:(?:prompt|generation)_tokens_total(?:\{[^}]*\})? ([0-9.e+]+)$", re.M)
+
+
+def progress_count(metrics_text: str) -> float:
+    """Prompt + generated tokens a vLLM server has processed (from its `/metrics` text)."""
+    return sum(float(v) for v in _PROGRESS.findall(metrics_text))
+
+
+def least_loaded(outstanding: dict[str, int], cap: int, avoid: frozenset[str] = frozenset()) -> str | None:
+    """The server with the fewest outstanding requests below `cap` (first listed wins ties), preferring
+    servers not in `avoid` (those a request already failed on); None when every candidate is full."""
+    candidates = [u for u in outstanding if u not in avoid] or list(outstanding)
+    free = [u for u in candidates if outstanding[u] < cap]
+    return min(free, key=lambda u: outstanding[u]) if free else None
+
+
+async def _read_progress(session: aiohttp.ClientSession, url: str) -> float | None:
+    """`progress_count` of a server, None when its `/metrics` does not answer (in the session's timeout)."""
+    try:
+        async with session.get(url + "/metrics") as r:
+            return progress_count(await r.text()) if r.status == 200 else None
+    except (TimeoutError, aiohttp.ClientError):
+        return None
+
+
+class _Queues:
+    """Outstanding requests per server (on the client's event loop) and each server's progress clock."""
+
+    def __init__(self, urls: Sequence[str], cap: int):
+        self.outstanding, self.cap = dict.fromkeys(urls, 0), cap
+        self.last_progress = dict.fromkeys(urls, time.monotonic())
+        self.counts: dict[str, float] = {}
+        self.stalled = {u: asyncio.Event() for u in urls}
+        self.failed_until = dict.fromkeys(urls, 0.0)
+        self._free = asyncio.Condition()
+
+    async def acquire(self, avoid: frozenset[str]) -> str:
+        async with self._free:
+            now = time.monotonic()
+            avoid = avoid | {u for u, t in self.failed_until.items() if t > now}
+            while (url := least_loaded(self.outstanding, self.cap, avoid)) is None:
+                await self._free.wait()
+            if self.outstanding[url] == 0:  # idle time is not a stall
+                self._restart_clock(url)
+            self.outstanding[url] += 1
+            return url
+
+    async def release(self, url: str) -> None:
+        async with self._free:
+            self.outstanding[url] -= 1
+            self._free.notify_all()
+
+    def observe(self, url: str, count: float | None, timeout_s: float) -> None:
+        """Records a progress reading (None: unreadable); sets `stalled[url]` past the timeout."""
+        if self.outstanding[url] == 0 or (count is not None and count != self.counts.get(url)):
+            self._restart_clock(url)
+        if count is not None:
+            self.counts[url] = count
+        if time.monotonic() - self.last_progress[url] > timeout_s:
+            self.stalled[url].set()
+
+    def _restart_clock(self, url: str) -> None:
+        self.last_progress[url] = time.monotonic()
+        if self.stalled[url].is_set():
+            self.stalled[url] = asyncio.Event()
 
 
 def request_body(
@@ -132,6 +210,26 @@ class RolloutClient:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="rljax-rollout")
         self._thread.start()
         self._metrics: dict[str, float] = {}
+        self.sent: dict[str, int] = dict.fromkeys(self.urls, 0)  # requests sent per server, ever
+        self._queues = asyncio.run_coroutine_threadsafe(self._start_watchdog(), self._loop).result()
+
+    async def _start_watchdog(self) -> _Queues:
+        queues = _Queues(self.urls, self.options.max_in_flight)
+        self._watchdog = asyncio.ensure_future(self._watch(queues))
+        return queues
+
+    async def _watch(self, queues: _Queues) -> None:
+        """Every `poll` s: reads the token counters of each server with outstanding requests."""
+        timeout_s = self.options.no_progress_timeout_s
+        poll = min(1.0, timeout_s / 4)
+        http_timeout = aiohttp.ClientTimeout(total=max(poll, min(timeout_s, 5.0)))
+        async with aiohttp.ClientSession(timeout=http_timeout, headers=self._headers) as session:
+            while True:
+                busy = [u for u, k in queues.outstanding.items() if k > 0]
+                counts = await asyncio.gather(*(_read_progress(session, u) for u in busy))
+                for url, count in zip(busy, counts, strict=True):
+                    queues.observe(url, count, timeout_s)
+                await asyncio.sleep(poll)
 
     def generate(
         self,
@@ -168,12 +266,14 @@ class RolloutClient:
             coro = self._run_all(prompts, bodies, n, version)
             results = asyncio.run_coroutine_threadsafe(coro, self._loop).result()
             seconds = time.perf_counter() - t0
-        out = [c for group in results for c in group]
+        out = [c for group, _ in results for c in group]
         tokens = sum(len(c.token_ids) for c in out)
+        placed = [url for _, url in results]
         self._metrics = {
             "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
             "rollout/policy_version": float(version),
             "rollout/seconds": seconds,
+            "rollout/max_server_share": max(placed.count(u) for u in self.urls) / max(len(placed), 1),
         }
         return out
 
@@ -181,13 +281,11 @@ class RolloutClient:
         """Metrics of the last `generate` call."""
         return dict(self._metrics)
 
-    async def _run_all(self, prompts, bodies, n, version) -> list[list[Completion]]:
-        o = self.options
-        sem = asyncio.Semaphore(o.max_in_flight)
-        timeout = aiohttp.ClientTimeout(total=o.request_timeout_s)
+    async def _run_all(self, prompts, bodies, n, version) -> list[tuple[list[Completion], str]]:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.options.connect_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout, headers=self._headers) as session:
             tasks = [
-                asyncio.ensure_future(self._one(session, sem, i, prompts[i], b, n, version))
+                asyncio.ensure_future(self._one(session, i, prompts[i], b, n, version))
                 for i, b in enumerate(bodies)
             ]
             try:
@@ -198,23 +296,52 @@ class RolloutClient:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
 
-    async def _one(self, session, sem, i, prompt, body, n, version) -> list[Completion]:
-        o, errors = self.options, []
+    async def _one(self, session, i, prompt, body, n, version) -> tuple[list[Completion], str]:
+        """The completions of prompt i and the server that answered."""
+        o, errors, tried = self.options, [], set()
         for attempt in range(o.max_retries + 1):
-            url = self.urls[(i + attempt) % len(self.urls)]
+            url = await self._queues.acquire(frozenset(tried))
+            tried.add(url)
+            self.sent[url] += 1
             try:
-                async with sem, session.post(url + "/v1/completions", json=body) as r:
-                    if r.status != 200:
-                        raise ValueError(f"HTTP {r.status}: {(await r.text())[:300]}")
-                    data = await r.json()
-                return parse_choices(data, prompt, n=n, version=version, prompt_index=i)
+                data = await self._post_watched(session, url, body)
+                return parse_choices(data, prompt, n=n, version=version, prompt_index=i), url
             except (TimeoutError, aiohttp.ClientError, ValueError) as e:
                 errors.append(f"{url}: {type(e).__name__}: {e}")
-                if attempt < o.max_retries:
-                    await asyncio.sleep(o.retry_backoff_s * (attempt + 1))
+                self._queues.failed_until[url] = time.monotonic() + o.failed_server_pause_s
+            finally:
+                await self._queues.release(url)
+            if attempt < o.max_retries:
+                await asyncio.sleep(o.retry_backoff_s * (attempt + 1))
         raise RolloutError(f"prompt {i} failed after {o.max_retries + 1} attempts: " + " | ".join(errors))
+
+    async def _post_watched(self, session, url: str, body: dict) -> dict:
+        """The JSON response, or TimeoutError once the watchdog marks `url` as making no progress."""
+        post = asyncio.ensure_future(self._post(session, url, body))
+        stalled = asyncio.ensure_future(self._queues.stalled[url].wait())
+        try:
+            await asyncio.wait({post, stalled}, return_when=asyncio.FIRST_COMPLETED)
+            if not post.done():
+                raise TimeoutError(f"no progress for {self.options.no_progress_timeout_s} s")
+            return post.result()
+        finally:
+            for t in (post, stalled):
+                t.cancel()
+            await asyncio.gather(post, stalled, return_exceptions=True)
+
+    @staticmethod
+    async def _post(session, url: str, body: dict) -> dict:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                raise ValueError(f"HTTP {r.status}: {(await r.text())[:300]}")
+            return await r.json()
+
+    async def _stop_watchdog(self) -> None:
+        self._watchdog.cancel()
+        await asyncio.gather(self._watchdog, return_exceptions=True)
 
     def close(self) -> None:
         if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._stop_watchdog(), self._loop).result(5)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)

@@ -5,6 +5,9 @@
     metrics = engine.push_weights(models.iter_hf_tensors(cfg, params), step, trainer_logprobs=fn)
     engine.recover(models.iter_hf_tensors(cfg, params), step, trainer_logprobs=fn)  # after a fault
 
+Every push goes to every server (`WeightSyncer`), each answers the canary, and each must then report the
+pushed version (`/weight_info`); `recover` restarts every owned server that died or hung, at once.
+
 `model_path` is the local checkpoint directory the servers loaded: the syncer checks names and shapes
 against its safetensors headers and sizes the canary from its `config.json` (vocabulary) and the servers'
 KV block size.
@@ -26,7 +29,7 @@ from rljax.rollout.client import ClientOptions, Completion, RolloutClient
 from rljax.rollout.server import ServerOptions, VLLMServer
 from rljax.weight_sync.canary import DEFAULT_BLOCK_SIZE, TrainerLogprobs, make_canary, server_block_size
 from rljax.weight_sync.gate import PolicyGate
-from rljax.weight_sync.syncer import SyncOptions, WeightSyncer
+from rljax.weight_sync.syncer import SyncOptions, WeightSyncer, WeightSyncError
 from rljax.weight_sync.wire import read_checkpoint_spec
 
 
@@ -91,9 +94,10 @@ class VLLMEngine:
         server_options: ServerOptions = ServerOptions(),
         **kwargs,
     ) -> VLLMEngine:
-        """Starts `replicas` servers (logs in `workdir/replica_<i>/`, one fresh bearer token for all) and
-        connects to them; their weight-transfer backend is named after `sync_options.transport` (one engine
-        class takes both) and their workers map buckets only from `sync_options.staging_dir`."""
+        """Starts `replicas` servers at once, each on its own port (logs in `workdir/replica_<i>/`, one
+        fresh bearer token for all) and connects to them; their weight-transfer backend is named after
+        `sync_options.transport` (one engine class takes both) and their workers map buckets only from
+        `sync_options.staging_dir`."""
         sync = kwargs.get("sync_options")
         if sync is not None:
             server_options = dataclasses.replace(
@@ -104,7 +108,9 @@ class VLLMEngine:
             for i in range(replicas):
                 path = Path(workdir) / f"replica_{i}"
                 servers.append(VLLMServer(model_path, path, host=host, options=server_options, token=token))
-                servers[-1].start()
+                servers[-1].spawn()
+            for s in servers:
+                s.wait_healthy(server_options.startup_timeout_s)
             return cls([s.url for s in servers], model_path, servers=servers, **kwargs)
         except BaseException:
             for s in servers:
@@ -127,19 +133,33 @@ class VLLMEngine:
     def push_weights(
         self, tensors: Iterable[tuple[str, np.ndarray]], version: int, *, trainer_logprobs: TrainerLogprobs
     ) -> dict[str, float]:
-        """See `WeightSyncer.sync`; returns the weight_sync/* metrics."""
-        return self.syncer.sync(tensors, version, trainer_logprobs)
+        """See `WeightSyncer.sync`, then checks every server's served version; returns the weight_sync/*
+        metrics. Raises WeightSyncError naming a server that serves another version."""
+        metrics = self.syncer.sync(tensors, version, trainer_logprobs)
+        for url in self.urls:
+            served = self.syncer.server_version(url)
+            if served != str(version):
+                raise WeightSyncError(f"{url} serves weight version {served!r} after pushing {version}")
+        return metrics
 
     def recover(
         self, tensors: Iterable[tuple[str, np.ndarray]], version: int, *, trainer_logprobs: TrainerLogprobs
     ) -> dict[str, float]:
         """Restarts owned servers that died or stopped answering `/health`, then re-pushes the full state
         (which also repairs a live server left with mixed weights by a failed sync)."""
-        for s in self.servers:
-            if not s.healthy():
-                s.restart()
+        self.restart_unhealthy()
         self.syncer.reset()
         return self.push_weights(tensors, version, trainer_logprobs=trainer_logprobs)
+
+    def restart_unhealthy(self) -> list[VLLMServer]:
+        """Restarts (all at once) the owned servers that died or do not answer `/health`; returns them."""
+        dead = [s for s in self.servers if not s.healthy()]
+        for s in dead:
+            s.stop()
+            s.spawn()
+        for s in dead:
+            s.wait_healthy(s.options.startup_timeout_s)
+        return dead
 
     def metrics(self) -> dict[str, float]:
         return self.client.metrics()

@@ -53,6 +53,8 @@ class ServerOptions:
     logprobs_mode: str = "processed_logprobs"
     max_logprobs: int = 20
     seed: int = 0
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     enforce_eager: bool = True
     startup_timeout_s: float = 300.0
     stop_grace_s: float = 10.0
@@ -114,6 +116,10 @@ def server_command(model_path: str, host: str, port: int, options: ServerOptions
         str(options.gpu_memory_utilization),
         "--seed",
         str(options.seed),
+        "--tensor-parallel-size",
+        str(options.tensor_parallel_size),
+        "--data-parallel-size",
+        str(options.data_parallel_size),
         "--max-logprobs",
         str(options.max_logprobs),
         "--logprobs-mode",
