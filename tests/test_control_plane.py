@@ -11,6 +11,7 @@ leaves no vLLM process and no bucket file behind.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import glob
 import json
 import os
@@ -320,3 +321,78 @@ def test_server_env_drops_the_trainers_credentials(monkeypatch):
     assert "secret" not in " ".join(env.values())
     assert env["PYTHONPATH"] == "/some/where" and env["PATH"] == os.environ["PATH"]
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["MY_KEY"] == "given"
+
+
+def test_owned_and_rollout_node_servers_take_one_set_of_options():
+    """`rljax.rollout.serve` (a rollout node's server) and the loop's owned servers derive their options
+    from the config through one function: serving dtype, parallelism, backend and binds agree."""
+    from rljax.rollout import serve
+    from rljax.rollout.server import options_from_config
+
+    cfg = C.from_config_dict(
+        {
+            "rollout": {
+                "vllm": {"tensor_parallel_size": 2, "data_parallel_size": 2, "extra_args": ("--a",)},
+                "weight_sync": {"dtype": "bfloat16", "transport": "tcp"},
+            }
+        }
+    )
+    owned, node = options_from_config(cfg), serve.server_options(cfg, ("--b",))
+    assert owned.dtype == node.dtype == "bfloat16"
+    assert (
+        (owned.tensor_parallel_size, owned.data_parallel_size)
+        == (2, 2)
+        == (
+            node.tensor_parallel_size,
+            node.data_parallel_size,
+        )
+    )
+    assert owned.weight_transfer_backend == node.weight_transfer_backend == "tcp"
+    assert owned.extra_args == ("--a",) and node.extra_args == ("--a", "--b")
+    assert owned == dataclasses.replace(node, extra_args=owned.extra_args)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_rollout_node_server_refuses_unauthenticated_rl_routes(tmp_path):
+    """A rollout node's server (`python -m rljax.rollout.serve`, what launch/gpu_slurm.sh runs as a step)
+    answers 401 on every RL route without the job's token, and serves with it."""
+    from rljax.rollout.server import free_port
+
+    token_file = tmp_path / "secrets" / "server_token"
+    token_file.parent.mkdir(mode=0o700)
+    token = auth.new_token()
+    auth.write_token_file(token_file, token)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "rljax.rollout.serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--token-file", str(token_file), "--", "--config=configs/grpo.py", f"--workdir={tmp_path}/w"]
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen(
+        cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+        for route in RL_ROUTES:
+            assert requests.post(url + route, json={}, timeout=30).status_code == 401, route
+        good = auth.bearer_headers(token)
+        assert requests.get(url + "/v1/models", headers=good, timeout=30).status_code == 200
+        assert requests.get(url + "/v1/models", timeout=30).status_code == 401
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()

@@ -22,8 +22,9 @@ from rljax import kernels, models, trainer
 from rljax.config import Config, canary_tolerance, serving_dtype
 from rljax.loop.distributed import host_params, is_leader, to_host
 from rljax.loop.recovery import FaultPlan, call_with_recovery, kill_halfway, kill_when_running
-from rljax.rollout import ClientOptions, ServerOptions, VLLMEngine, placement
+from rljax.rollout import ClientOptions, VLLMEngine, placement
 from rljax.rollout.auth import read_token_file
+from rljax.rollout.server import options_from_config
 from rljax.trajectory import Trajectory, build_loss_inputs
 from rljax.weight_sync import SyncOptions
 
@@ -278,21 +279,7 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
             list(vc.urls), cfg.model.path, client_options=client, sync_options=sync, token=token
         )
     else:
-        server = ServerOptions(
-            cpus=place.server_cpus,
-            idle_spin_s=vc.idle_spin_s,
-            dtype=serving_dtype(cfg),
-            max_model_len=vc.max_model_len,
-            block_size=vc.block_size or None,
-            gpu_memory_utilization=vc.gpu_memory_utilization,
-            kvcache_space_gib=vc.kvcache_space_gib,
-            seed=cfg.trainer.seed,
-            tensor_parallel_size=vc.tensor_parallel_size,
-            data_parallel_size=vc.data_parallel_size,
-            startup_timeout_s=vc.startup_timeout_s,
-            extra_args=tuple(vc.extra_args),
-            allow_remote=vc.allow_remote,
-        )
+        server = options_from_config(cfg, cpus=place.server_cpus)
         engine = VLLMEngine.launch(
             cfg.model.path,
             os.path.join(workdir, "vllm"),

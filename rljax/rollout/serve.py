@@ -25,29 +25,16 @@ from rljax import config as config_lib
 from rljax.config import is_loopback_host
 from rljax.launch import config_from_args
 from rljax.rollout import auth
-from rljax.rollout.server import ServerOptions, server_command, server_env
+from rljax.rollout.server import ServerOptions, options_from_config, server_command, server_env
 from rljax.weight_sync.staging import STAGING_DIR_ENV
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
 def server_options(cfg: config_lib.Config, extra_args: tuple[str, ...] = ()) -> ServerOptions:
-    """The ServerOptions of a server for the run `cfg` (what `loop.engine.make_engine` gives an owned one),
-    with the weight-transfer backend of `rollout.weight_sync.transport`."""
-    vc, ws = cfg.rollout.vllm, cfg.rollout.weight_sync
-    return ServerOptions(
-        idle_spin_s=vc.idle_spin_s,
-        dtype=cfg.model.param_dtype,
-        max_model_len=vc.max_model_len,
-        block_size=vc.block_size or None,
-        gpu_memory_utilization=vc.gpu_memory_utilization,
-        kvcache_space_gib=vc.kvcache_space_gib,
-        seed=cfg.trainer.seed,
-        startup_timeout_s=vc.startup_timeout_s,
-        extra_args=tuple(vc.extra_args) + tuple(extra_args),
-        allow_remote=vc.allow_remote,
-        weight_transfer_backend=ws.transport,
-    )
+    """The ServerOptions of a server for the run `cfg`: an owned server's (`server.options_from_config`),
+    with `extra_args` (`--vllm-arg`) after the config's own."""
+    return options_from_config(cfg, extra_args=tuple(cfg.rollout.vllm.extra_args) + tuple(extra_args))
 
 
 def check_bind(host: str, allow_remote: bool) -> None:

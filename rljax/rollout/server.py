@@ -31,7 +31,7 @@ from pathlib import Path
 
 import requests
 
-from rljax.config import is_loopback_host
+from rljax.config import Config, is_loopback_host, serving_dtype
 from rljax.rollout import auth, placement
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, STAGING_DIR_ENV
 
@@ -66,6 +66,29 @@ class ServerOptions:
     # how long an idle worker busy-polls before sleeping (vLLM's own is 1 s, a core taken from the trainer).
     cpus: tuple[int, ...] = ()
     idle_spin_s: float = 0.002
+
+
+def options_from_config(cfg: Config, **overrides) -> ServerOptions:
+    """The ServerOptions of a server for the run `cfg`, owned (`loop.engine.make_engine`) or on a rollout
+    node of its own (`rljax.rollout.serve`): every engine option derives from the config here, once.
+    `overrides` set what only the caller knows (cores, extra args)."""
+    vc = cfg.rollout.vllm
+    options = ServerOptions(
+        idle_spin_s=vc.idle_spin_s,
+        dtype=serving_dtype(cfg),
+        max_model_len=vc.max_model_len,
+        block_size=vc.block_size or None,
+        gpu_memory_utilization=vc.gpu_memory_utilization,
+        kvcache_space_gib=vc.kvcache_space_gib,
+        seed=cfg.trainer.seed,
+        tensor_parallel_size=vc.tensor_parallel_size,
+        data_parallel_size=vc.data_parallel_size,
+        startup_timeout_s=vc.startup_timeout_s,
+        extra_args=tuple(vc.extra_args),
+        allow_remote=vc.allow_remote,
+        weight_transfer_backend=cfg.rollout.weight_sync.transport,
+    )
+    return dataclasses.replace(options, **overrides)
 
 
 def _die_with_parent() -> None:
