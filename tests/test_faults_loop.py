@@ -100,7 +100,8 @@ def garble(step_dir: pathlib.Path) -> None:
 def test_loop_recovers_from_server_reward_and_gradient_faults_then_preempts_and_resumes(tmp_path):
     work = tmp_path / "run"
     work.mkdir()
-    faults = "kill_server_mid_generate:2,kill_server_mid_sync:2"  # generate call 1 is the step-0 eval
+    # evaluation is off (trainer.eval_every=0): generate call 1 is step 1's rollout, sync call 2 step 2's push
+    faults = "kill_server_mid_generate:1,kill_server_mid_sync:2"
     proc = start_main(work, steps=8, faults=faults, poison_update=3)
     t0 = time.monotonic()
     while proc.poll() is None and not any(m["step"] >= 4 for m in metrics(work)):
@@ -147,7 +148,7 @@ def test_loop_recovers_from_server_reward_and_gradient_faults_then_preempts_and_
     assert proc.returncode == 0, out[-4000:]
     assert f"rljax: finished {preempted + 1} steps" in out
     lines = metrics(work)
-    assert [m["step"] for m in lines] == list(range(preempted + 2))
+    assert [m["step"] for m in lines] == list(range(1, preempted + 2))
     assert extra(work, preempted + 1)["policy_version"] == preempted
 
     # (d) the latest checkpoint garbled: the next run reports it, falls back to the previous one, resumes
@@ -160,7 +161,7 @@ def test_loop_recovers_from_server_reward_and_gradient_faults_then_preempts_and_
     assert f"checkpoint step {garbled} in" in out and "falling back to an earlier step" in out
     assert f"resuming from checkpoint step {preempted} in" in out
     lines = metrics(work)
-    assert [m["step"] for m in lines] == list(range(garbled + 2))
+    assert [m["step"] for m in lines] == list(range(1, garbled + 2))
     assert [m["policy/version"] for m in lines[-2:]] == [garbled, garbled + 1]
     assert extra(work, garbled + 1)["policy_version"] == garbled  # two updates after step `preempted`
     assert extra(work, garbled)["policy_version"] == garbled - 1  # re-saved, restorable again

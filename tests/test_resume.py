@@ -65,7 +65,7 @@ def command(workdir, server, *overrides):
         f"--config.rollout.vllm.urls=('{server.url}',)",
         f"--config.rollout.vllm.token_file={server.token_file}",
         f"--config.trainer.steps={STEPS}",
-        "--config.trainer.eval_every=0",
+        "--config.trainer.eval_every=0",  # evaluation off: no step-0 line, metrics start at step 1
         "--config.rollout.batch_size=16",
         "--config.rollout.group_size=4",
         "--config.checkpoint.keep_last=10",
@@ -181,7 +181,7 @@ EVERY_STEP = "--config.checkpoint.every_steps=1"
 def straight_sync(server, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("straight_sync")
     run_to_end(workdir, server, EVERY_STEP)
-    assert metrics_steps(workdir) == list(range(STEPS + 1))
+    assert metrics_steps(workdir) == list(range(1, STEPS + 1))
     return workdir
 
 
@@ -206,7 +206,7 @@ def test_sync_killed_twice_resumes_bitwise(server, straight_sync, tmp_path):
     # 3) Resume from 5 to the end.
     out = run_to_end(workdir, server, EVERY_STEP)
     assert "rljax: resuming from checkpoint step 5 in" in out
-    assert metrics_steps(workdir) == list(range(STEPS + 1)), "one metrics line per step"
+    assert metrics_steps(workdir) == list(range(1, STEPS + 1)), "one metrics line per step"
     for step in range(1, STEPS + 1):  # 4 was redone after the kill; 6 is the end of the run
         assert_bitwise_equal(state_of(workdir, step), state_of(straight_sync, step))
 
@@ -233,7 +233,7 @@ def test_async_killed_resumes_bitwise_with_its_buffer(server, tmp_path):
     assert versions == {2}
     out = run_to_end(workdir, server, "--config.checkpoint.every_steps=3", async_mode)
     assert "rljax: resuming from checkpoint step 3 in" in out
-    assert metrics_steps(workdir) == list(range(STEPS + 1)), "one metrics line per step"
+    assert metrics_steps(workdir) == list(range(1, STEPS + 1)), "one metrics line per step"
     hist = lambda w: [m.get("staleness/hist") for m in metrics_lines(w)]
     assert hist(workdir) == hist(straight), "each step trained on samples of the same policy versions"
     assert_bitwise_equal(state_of(workdir, 3), state_of(straight, 3))

@@ -22,7 +22,7 @@ from rljax import kernels, models, trainer
 from rljax.config import Config, canary_tolerance, serving_dtype
 from rljax.loop.distributed import host_params, is_leader, to_host
 from rljax.loop.recovery import FaultPlan, call_with_recovery, kill_halfway, kill_when_running
-from rljax.rollout import ClientOptions, VLLMEngine, placement
+from rljax.rollout import ClientOptions, RolloutError, VLLMEngine, placement
 from rljax.rollout.auth import read_token_file
 from rljax.rollout.server import options_from_config
 from rljax.trajectory import Trajectory, build_loss_inputs
@@ -149,12 +149,15 @@ class LoopEngine:
             done = threading.Event()
             killer = kill_when_running(self._engine.servers, done)
             try:
-                return self._engine.generate(prompts, **sampling)
+                out = self._engine.generate(prompts, **sampling)
             finally:
                 done.set()
                 killer["thread"].join()
                 if not killer["killed"]:
                     self._faults.postpone("kill_server_mid_generate")
+            if killer["killed"]:  # its last request may have been answered just before the kill landed
+                raise RolloutError("RLJAX_FAULTS: the server was killed during this generate call")
+            return out
 
         return self._with_recovery(op, lambda: self._recover_current(attempt["epoch"]), "generate")
 
