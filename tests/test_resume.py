@@ -197,12 +197,12 @@ def test_sync_killed_twice_resumes_bitwise(server, straight_sync, tmp_path):
         RLJAX_TEST_SLOW_SAVE_STEP="4",
     )
     assert finished_steps(workdir) == [1, 2, 3], "the half-written step 4 must not be listed"
-    assert written[:5] == [0, 1, 2, 3, 4]  # metrics past the newest complete checkpoint exist
+    assert written[:4] == [1, 2, 3, 4]  # metrics past the newest complete checkpoint exist
     # 2) Resume from 3, the newest complete step; SIGKILL once step 5 is saved.
     written, out = kill_when(workdir, server, lambda w: 5 in finished_steps(w), EVERY_STEP)
     assert "rljax: resuming from checkpoint step 3 in" in out
     assert not in_flight(workdir, 4), "the partial step 4 is cleaned up on resume"
-    assert written[:6] == [0, 1, 2, 3, 4, 5]
+    assert written[:5] == [1, 2, 3, 4, 5]
     # 3) Resume from 5 to the end.
     out = run_to_end(workdir, server, EVERY_STEP)
     assert "rljax: resuming from checkpoint step 5 in" in out
