@@ -51,7 +51,7 @@ def start(cfg: config_lib.Config, workdir: str) -> None:
 
     try:
         config_lib.validate_runtime(cfg, jax.device_count())
-        resolve_inputs(cfg, workdir)
+        examples = resolve_inputs(cfg, workdir)
     except config_lib.ConfigError as e:
         fail(f"config: {e}")
     preflight_or_fail(cfg)
@@ -59,7 +59,7 @@ def start(cfg: config_lib.Config, workdir: str) -> None:
     from rljax.loop.train import train
 
     try:
-        train(cfg, workdir)
+        train(cfg, workdir, examples=examples)
     except CheckpointMismatchError as e:  # the workdir's checkpoints were saved with another config
         fail(f"checkpoint: {e}")
     except CheckpointError as e:  # not a user error: exit 1, still one line

@@ -182,8 +182,9 @@ def attach_producer(run: Run, extra: dict | None) -> None:
     run.producer.start()
 
 
-def build_run(cfg: Config, workdir: str) -> Run:
-    """Everything one run needs; restores the newest good checkpoint in `workdir` if there is one."""
+def build_run(cfg: Config, workdir: str, examples: tuple[list[dict], list[dict]] | None = None) -> Run:
+    """Everything one run needs; restores the newest good checkpoint in `workdir` if there is one.
+    `examples` (train, eval): loaded from `cfg.data` when not given."""
     os.makedirs(workdir, exist_ok=True)
     sizes = mesh_shape(cfg.mesh, jax.device_count())
     mesh = make_mesh(**sizes)
@@ -196,7 +197,7 @@ def build_run(cfg: Config, workdir: str) -> Run:
         keep_every=cfg.checkpoint.keep_every,
         async_save=cfg.checkpoint.async_save,
     )
-    train_examples, eval_examples = load_examples(cfg.data)
+    train_examples, eval_examples = load_examples(cfg.data) if examples is None else examples
     prompts = PromptStream(train_examples, seed=cfg.data.seed)
     start_step, extra, restored = 0, None, checkpointer.restore_latest(abstract_like(state))
     if restored is not None:

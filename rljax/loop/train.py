@@ -25,9 +25,10 @@ from rljax.metrics.profile import StepProfiler, profile_dir
 from rljax.trainer.flops import matmul_params, update_flops
 
 
-def train(cfg: Config, workdir: str) -> None:
-    """Trains for `trainer.steps` steps in `workdir`, resuming from its latest checkpoint if any."""
-    run = build_run(cfg, workdir)
+def train(cfg: Config, workdir: str, examples: tuple[list[dict], list[dict]] | None = None) -> None:
+    """Trains for `trainer.steps` steps in `workdir`, resuming from its latest checkpoint if any.
+    `examples`: the (train, eval) examples already loaded by `rljax.loop.inputs.resolve_inputs`, if any."""
+    run = build_run(cfg, workdir, examples)
     watch = PreemptionWatch()
     profiler = StepProfiler(profile_dir(workdir, jax.process_index()), cfg.metrics.profile_steps)
     phase = "failed"
