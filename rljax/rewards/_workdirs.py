@@ -15,9 +15,10 @@ from __future__ import annotations
 import fcntl
 import os
 import pathlib
-import re
 import shutil
 import tempfile
+
+from rljax import envvars
 
 ALLOWED_ENV = frozenset(
     {
@@ -27,7 +28,6 @@ ALLOWED_ENV = frozenset(
     }
 )  # fmt: skip
 ALLOWED_PREFIXES = ("LC_", "RLJAX_")
-_SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE", re.IGNORECASE)
 
 
 def worker_env(environ: dict[str, str] | os._Environ, tmpdir: str) -> dict[str, str]:
@@ -35,7 +35,7 @@ def worker_env(environ: dict[str, str] | os._Environ, tmpdir: str) -> dict[str, 
     env = {
         name: value
         for name, value in environ.items()
-        if (name in ALLOWED_ENV or name.startswith(ALLOWED_PREFIXES)) and not _SECRET.search(name)
+        if (name in ALLOWED_ENV or name.startswith(ALLOWED_PREFIXES)) and not envvars.is_secret(name)
     }
     env["TMPDIR"] = tmpdir
     return env

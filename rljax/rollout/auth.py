@@ -18,17 +18,12 @@ import hashlib
 import hmac
 import json
 import os
-import re
 import secrets
 import stat
 
 TOKEN_FILE_ENV = "RLJAX_SERVER_TOKEN_FILE"
 MIDDLEWARE = "rljax.rollout.auth.BearerTokenMiddleware"
 OPEN_ROUTES = frozenset({("GET", "/health"), ("HEAD", "/health")})  # liveness probes (Slurm --wait-url)
-# Environment names that look like credentials (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, ...): the
-# server does not need them and its model code and plugins should not see them (same rule as the reward
-# workers' allow-list in rljax/rewards/_workdirs.py).
-SECRET_ENV = re.compile(r"TOKEN|KEY|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE", re.IGNORECASE)
 SECRET_FLAGS = ("--api-key",)  # command-line flags whose values are redacted from rljax's logs
 
 
@@ -71,11 +66,6 @@ def read_token_file(path: str | os.PathLike) -> str:
 def bearer_headers(token: str | None) -> dict[str, str]:
     """The request headers that carry `token` ({} without one)."""
     return {"Authorization": f"Bearer {token}"} if token else {}
-
-
-def without_secrets(env: dict[str, str]) -> dict[str, str]:
-    """`env` less every credential-like name (`SECRET_ENV`)."""
-    return {name: value for name, value in env.items() if not SECRET_ENV.search(name)}
 
 
 def redact_argv(argv: list[str]) -> list[str]:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import requests
 
+from rljax import envvars
 from rljax.config import Config, is_loopback_host, serving_dtype
 from rljax.rollout import auth, placement
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, STAGING_DIR_ENV
@@ -161,10 +162,10 @@ def server_command(model_path: str, host: str, port: int, options: ServerOptions
 
 
 def server_env(options: ServerOptions) -> dict[str, str]:
-    """The child's environment: the trainer's less its credentials (`auth.without_secrets`), dev-mode RL
+    """The child's environment: the trainer's less its credentials (`envvars.without_secrets`), dev-mode RL
     endpoints on, CPU KV cache bounded, no JAX device flags, the worker's cores and idle spin
     (`rljax.rollout.placement`). `options.extra_env` is passed as given."""
-    env = auth.without_secrets(dict(os.environ))
+    env = envvars.without_secrets(os.environ)
     env.pop("XLA_FLAGS", None)  # the parent's simulated JAX devices mean nothing to vLLM
     env |= {
         "VLLM_SERVER_DEV_MODE": "1",
