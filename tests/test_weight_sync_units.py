@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from rljax import lockdir
 from rljax.rollout import auth
 from rljax.rollout.server import ServerOptions, server_command, server_env
 from rljax.weight_sync import stage_buckets, staging, wire
@@ -123,7 +124,7 @@ def _hold_lock(path):
 def _stale_dir(root, name, bucket=b"x" * 64):
     d = root / name
     d.mkdir(mode=0o700)
-    (d / staging.LOCK_NAME).write_bytes(b"")
+    (d / lockdir.LOCK_NAME).write_bytes(b"")
     (d / "bucket-0-00000").write_bytes(bucket)
     return d
 
@@ -134,7 +135,7 @@ def test_sweep_removes_run_dirs_by_lock_not_pid(tmp_path):
         dead = _stale_dir(tmp_path, "rljax-ws-999999-dead")  # nobody holds its lock
         # A live owner whose recorded PID means nothing here (another PID namespace, or a reused PID).
         other = _stale_dir(tmp_path, f"rljax-ws-{os.getpid() + 1}-other")
-        holder = _hold_lock(other / staging.LOCK_NAME)
+        holder = _hold_lock(other / lockdir.LOCK_NAME)
         unrelated = tmp_path / "rljax-ws-notadir"
         unrelated.write_bytes(b"z")
         try:
@@ -200,7 +201,7 @@ def test_open_bucket_confines_worker_paths_to_private_run_dirs(tmp_path):
             str(secret): "not a bucket file",
             f"{run.path}/../{os.path.basename(run.path)}/{name}": "not a bucket file",
             str(tmp_path / "rljax-ws-x" / name): "not a bucket file",  # another root
-            os.path.join(run.path, staging.LOCK_NAME): "not a bucket file",
+            os.path.join(run.path, lockdir.LOCK_NAME): "not a bucket file",
             os.path.join(run.path, "bucket-link"): "Too many levels of symbolic links",
             str(root / "rljax-ws-link" / name): "Not a directory|Too many levels",
             str(loose / "bucket"): "not private",

@@ -12,13 +12,12 @@ own `RLJAX_*` settings; nothing named like a token, key, secret or password, eve
 
 from __future__ import annotations
 
-import fcntl
 import os
 import pathlib
 import shutil
 import tempfile
 
-from rljax import envvars
+from rljax import envvars, lockdir
 
 ALLOWED_ENV = frozenset(
     {
@@ -28,6 +27,7 @@ ALLOWED_ENV = frozenset(
     }
 )  # fmt: skip
 ALLOWED_PREFIXES = ("LC_", "RLJAX_")
+RUN_PREFIX = "run-"  # <tmp>/rljax-rewards/run-<pid>-<random>
 
 
 def worker_env(environ: dict[str, str] | os._Environ, tmpdir: str) -> dict[str, str]:
@@ -47,34 +47,9 @@ def _base() -> pathlib.Path:
     return base
 
 
-def _try_lock(path: pathlib.Path) -> int | None:
-    """An fd holding an exclusive lock on `path`, or None when someone holds it."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def sweep_stale() -> int:
     """Removes run dirs whose pool is gone (their lock is free); returns how many were removed."""
-    removed = 0
-    for run in _base().glob("run-*"):
-        fd = _try_lock(run / "lock")
-        if fd is None:
-            continue  # a live pool holds it (a dir is only named run-* once its lock is held)
-        try:
-            shutil.rmtree(run, ignore_errors=True)
-            removed += 1
-        finally:
-            if fd is not None:
-                os.close(fd)
-    return removed
+    return len(lockdir.sweep_unlocked(_base(), RUN_PREFIX))
 
 
 class RunDir:
@@ -82,12 +57,9 @@ class RunDir:
 
     def __init__(self) -> None:
         sweep_stale()
-        new = pathlib.Path(tempfile.mkdtemp(prefix="new-", dir=_base()))
-        os.chmod(new, 0o711)
-        (new / "lock").touch(mode=0o600)
-        self._lock_fd = _try_lock(new / "lock")
-        self.path = new.with_name(f"run-{os.getpid()}-{new.name[4:]}")
-        new.rename(self.path)  # visible to sweeps only now that it is locked
+        # 0711: audit-mode sandboxes (other uids) traverse it to their workdir, but cannot list it
+        self.path, self._lock_fd = lockdir.make_locked_dir(_base(), RUN_PREFIX, 0o711)
+        self.path = pathlib.Path(self.path)
 
     def new_worker_dir(self) -> str:
         path = tempfile.mkdtemp(prefix="worker-", dir=self.path)

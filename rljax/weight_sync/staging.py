@@ -11,13 +11,11 @@ A tensor larger than `bucket_bytes` gets a bucket of its own.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import os
 import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import uuid
 import zlib
 from collections.abc import Iterable, Iterator
@@ -25,13 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from rljax import lockdir
 from rljax.weight_sync import wire
 
 DEFAULT_STAGING_DIR = "/dev/shm"
 STAGING_DIR_ENV = "RLJAX_STAGING_DIR"  # set on vLLM servers: the root their workers may map buckets from
 RUN_PREFIX = "rljax-ws-"  # per-run directories: <root>/rljax-ws-<pid>-<random>/ (the pid only names it)
-_INIT_PREFIX = "rljax-wsinit-"  # a run directory before its lock is held (never swept)
-LOCK_NAME = ".lock"
 # Runs in a child of the trainer (`python -I -S -c`): waits for the trainer to exit (stdin reaches EOF, even
 # after a SIGKILL), then removes the run directory once its lock is free (a live trainer still holds it).
 _REAPER = """
@@ -57,13 +54,7 @@ class RunDir:
 
     def __init__(self, root: str | os.PathLike = DEFAULT_STAGING_DIR):
         os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=_INIT_PREFIX, dir=root)  # mode 0700
-        self._lock_fd = os.open(
-            os.path.join(tmp, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600
-        )
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self.path = os.path.join(os.fspath(root), f"{RUN_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        os.rename(tmp, self.path)  # visible to sweepers only once locked
+        self.path, self._lock_fd = lockdir.make_locked_dir(root, RUN_PREFIX, 0o700)
         self._reaper = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _REAPER, self.path],
             stdin=subprocess.PIPE,
@@ -89,28 +80,7 @@ class RunDir:
 def sweep_stale_run_dirs(root: str | os.PathLike = DEFAULT_STAGING_DIR) -> list[str]:
     """Removes run directories under `root` whose owner is gone (their lock is free); returns their paths.
     A live trainer's directory is never touched, whatever PID namespace it runs in."""
-    removed = []
-    try:
-        names = sorted(os.listdir(root))
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        if not name.startswith(RUN_PREFIX):
-            continue
-        path = os.path.join(os.fspath(root), name)
-        try:
-            fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_NOFOLLOW)
-        except OSError:  # not a run directory of ours (or no access)
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its trainer is alive
-            os.close(fd)
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        os.close(fd)
-        removed.append(path)
-    return removed
+    return lockdir.sweep_unlocked(root, RUN_PREFIX)
 
 
 def open_bucket(path: str, root: str | os.PathLike) -> int:
