@@ -90,7 +90,7 @@ EOF
 export -f install
 step install 60 bash -c install
 step tests 110 "$PY" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$PARTS/tests.xml" \
-    "$REPO/tests/test_kernels.py" "$REPO/tests/test_kernels_sharded.py" "$REPO/tests/test_attention.py"
+    "$REPO/tests/kernels/test_kernels.py" "$REPO/tests/kernels/test_kernels_sharded.py" "$REPO/tests/models/test_attention.py"
 step logprobs 130 "$PY" -m rljax.kernels.bench_logprobs --n 8192 --d 3584 --v 152064 --dtype bfloat16 \
     --entropy --impls xla,pallas,triton --repeats 3 --json "$PARTS/logprobs.json"
 step train 110 "$PY" "$REPO/benchmarks/bench_train_step.py" --model qwen2.5-0.5b --rows 16 --length 1024 \

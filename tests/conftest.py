@@ -7,7 +7,12 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
+
+# Shared test helpers (servers, clusters, worker scripts) live in tests/support/, importable by name.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 pytest_plugins = ["vllm_server"]  # session-scoped vLLM servers shared by the rollout and sync tests
 

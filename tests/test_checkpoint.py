@@ -283,7 +283,7 @@ def test_two_processes_agree_on_the_restorable_step(tmp_path):
     import subprocess
     import sys
 
-    worker = pathlib.Path(__file__).with_name("mp_checkpoint_worker.py")
+    worker = pathlib.Path(__file__).resolve().parent / "support" / "mp_checkpoint_worker.py"
     port, ckpt_dir = _free_port(), tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [

@@ -5,7 +5,7 @@ convention for conversational prompt data sets). `make_prompt_renderer` chooses 
 config: `PlainRenderer` fills `data.template`; `ChatRenderer` renders the messages with
 `tokenizer.apply_chat_template(..., add_generation_prompt=True)`, exactly as vLLM's chat endpoint does
 (`vllm.renderers.hf.safe_apply_chat_template`), so the token ids the trainer sends are the ones
-`/v1/chat/completions` would build for the same messages (tests/test_chat_template.py checks this
+`/v1/chat/completions` would build for the same messages (tests/data/test_chat_template.py checks this
 against a real vLLM server).
 """
 

@@ -6,7 +6,7 @@ The loop's engine (`rljax.loop.engine.LoopEngine`) wraps each rollout call and e
 version; the operation (the same prompts, same seed) is then resubmitted. After `max_restarts` failed
 restarts the run stops with a `RecoveryExhaustedError` naming the last error.
 
-`FaultPlan` is the test-only fault injection the fault suite (tests/test_faults_loop.py) drives through
+`FaultPlan` is the test-only fault injection the fault suite (tests/loop/test_faults_loop.py) drives through
 the RLJAX_FAULTS environment variable; it is inert when the variable is unset.
 """
 

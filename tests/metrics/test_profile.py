@@ -21,8 +21,8 @@ from rljax import config as C
 from rljax.metrics.parameters import FILENAME, parameter_table, write_parameter_overview
 from rljax.metrics.profile import StepProfiler, profile_dir
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-TESTS = pathlib.Path(__file__).resolve().parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
+TESTS = pathlib.Path(__file__).resolve().parents[1] / "support"
 
 
 def traced_steps(xplane_path) -> list[int]:

@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = str(REPO / "assets" / "tiny_arith")
 STEPS = 6
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -20,7 +20,7 @@ from rljax.models.params import bind_table
 from rljax.models.tiny import build_tiny_checkpoint
 from rljax.sharding import make_mesh
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 FUSED = "examples.fused_qwen:FusedQwen2"
 TOL = 1e-5  # float32 logits vs transformers, as for the built-in decoder
 

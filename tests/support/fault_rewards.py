@@ -1,4 +1,4 @@
-"""Custom rewards for the loop fault suite (tests/test_faults_loop.py), loaded as "fault_rewards:<fn>"."""
+"""Custom rewards for the loop fault suite (tests/loop/test_faults_loop.py), "fault_rewards:<fn>"."""
 
 import os
 import time

@@ -182,7 +182,7 @@ def test_cli_rejects_a_missing_template_before_any_server_starts(tmp_path):
         text=True,
         timeout=180,
         env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
-        cwd=str(pathlib.Path(__file__).resolve().parents[1]),
+        cwd=str(pathlib.Path(__file__).resolve().parents[2]),
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("rljax: error:")]

@@ -2,7 +2,7 @@
 checkpoints) and real JAX multi-process jobs, each fault ending in recovery or a clear failure in time.
 
 One run owns its server and goes through, in order: the server SIGKILLed mid-generation (step 1's
-rollout) and mid-sync (step 2's push), a planted non-finite gradient (step 3, tests/fault_main.py),
+rollout) and mid-sync (step 2's push), a planted non-finite gradient (step 3, tests/support/fault_main.py),
 a reward function that hangs, then SIGTERM preemption; the rerun resumes from the preempted checkpoint,
 and a third run, after the latest checkpoint is garbled, falls back to the one before. Faults are timed
 with RLJAX_FAULTS (rljax.loop.recovery.FaultPlan); the kills are real SIGKILLs of the server's processes.
@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-TESTS = pathlib.Path(__file__).resolve().parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
+TESTS = pathlib.Path(__file__).resolve().parents[1] / "support"
 PREEMPTED_EXIT_CODE = 143
 PEER_LOST_EXIT_CODE = 3
 # Small and fast; every step checkpointed so the preempted and the garbled step have a predecessor.
@@ -47,7 +47,7 @@ def env_for(workdir: pathlib.Path, faults: str, poison_update: int) -> dict:
 
 
 def start_main(workdir: pathlib.Path, steps: int, faults: str = "", poison_update: int = 0, extra_args=()):
-    """`python -m rljax.main`, through tests/fault_main.py (which can plant a non-finite gradient)."""
+    """`python -m rljax.main`, through tests/support/fault_main.py (which can plant a non-finite gradient)."""
     cmd = [sys.executable, str(TESTS / "fault_main.py"), f"--workdir={workdir}", *ARGS, *extra_args]
     cmd.append(f"--config.trainer.steps={steps}")
     log = open(workdir.parent / f"{workdir.name}_{time.monotonic_ns()}.log", "w+")  # noqa: SIM115

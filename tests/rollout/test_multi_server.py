@@ -23,8 +23,8 @@ from rljax.rollout.client import _Queues, least_loaded, progress_count
 from rljax.rollout.server import ServerOptions, server_command
 from rljax.weight_sync.canary import server_prompt_logprobs
 
-ASSET = str(Path(__file__).resolve().parents[1] / "assets" / "tiny_arith")
-TOL = 1e-4  # float32 vLLM CPU kernels vs transformers: ~5e-6 measured (tests/test_weight_sync.py)
+ASSET = str(Path(__file__).resolve().parents[2] / "assets" / "tiny_arith")
+TOL = 1e-4  # float32 vLLM CPU kernels vs transformers: ~5e-6 measured (tests/weight_sync/test_weight_sync.py)
 PROBE = ([3, 14, 15, 9, 26, 5], [35, 8, 9, 7, 9, 3, 2, 38])
 
 

@@ -1,5 +1,5 @@
 """Control flow of rljax.loop.recovery (call_with_recovery, FaultPlan) and LoopEngine's recovery lock (pure:
-no server; the real faults are in tests/test_faults_loop.py)."""
+no server; the real faults are in tests/loop/test_faults_loop.py)."""
 
 import threading
 

@@ -15,6 +15,7 @@ import pytest
 
 from rljax.rollout import ServerOptions, VLLMEngine
 from rljax.weight_sync import SyncOptions
+from rljax.weight_sync.canary import server_prompt_logprobs
 
 # Small on purpose: memory is shared with other jobs (PLATFORM.md: VLLM_CPU_KVCACHE_SPACE, utilization).
 TEST_SERVER_OPTIONS = ServerOptions(
@@ -153,3 +154,23 @@ def served_llama(_llama_session) -> Served:
     """The shared tiny-Llama (untied) server, alive and serving `ref`'s weights."""
     _llama_session.ensure_servable()
     return _llama_session
+
+
+# vLLM's CPU kernels and transformers accumulate float32 in different orders: ~5e-6 measured.
+TOL = 1e-4
+PROBE_PROMPT = [3, 141, 59, 26, 53, 58, 97, 93, 23, 84]
+PROBE_COMPLETION = [62, 64, 33, 83, 27, 95, 2, 88, 41, 97, 16, 93, 99, 37, 51, 5]
+
+
+def assert_serves_reference(served, version: int) -> None:
+    """Server log-probs of a probe (not the canary's tokens) match the reference; versions agree."""
+    engine = served.engine
+    got = server_prompt_logprobs(
+        engine.urls[0], engine.client.model, PROBE_PROMPT, PROBE_COMPLETION, headers=engine.syncer.headers
+    )
+    want = served.ref.logprobs(PROBE_PROMPT, PROBE_COMPLETION)
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+    assert engine.syncer.server_version(engine.urls[0]) == str(version)
+    assert engine.version == version
+    (c,) = engine.generate([PROBE_PROMPT], n=1, temperature=0.0, max_tokens=4, seed=0)
+    assert c.policy_version == version

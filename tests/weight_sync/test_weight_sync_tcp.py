@@ -13,8 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from test_weight_sync import TOL, _assert_serves_reference
-from vllm_server import perturbed
+from vllm_server import TOL, assert_serves_reference, perturbed
 
 from rljax.rollout import RolloutError
 from rljax.weight_sync import SyncOptions, WeightSyncError, stage_buckets, stream, wire
@@ -194,7 +193,7 @@ def test_tcp_pushes_match_transformers(served_llama):
         metrics = served_llama.push(state, start + k, transport="tcp", bucket_bytes=100 * 1024, **extra)
         assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= TOL
         assert metrics["weight_sync/bytes"] == sum(v.nbytes for v in state.values())
-        _assert_serves_reference(served_llama, start + k)
+        assert_serves_reference(served_llama, start + k)
         timing = _last_worker_timing(served_llama.server.log_path)
         if extra:  # pipelined: received while paused
             assert timing["recv_s"] > 0 and timing["prefetch_s"] == 0
@@ -222,4 +221,4 @@ def test_tcp_trainer_stream_dies_mid_bucket_fails_fast_then_repush(served_llama,
     with pytest.raises(RolloutError, match="not servable"):
         engine.generate([[1, 2, 3]], n=1, temperature=0.0, max_tokens=2)
     served_llama.push(state, version + 1, transport="tcp")
-    _assert_serves_reference(served_llama, version + 1)
+    assert_serves_reference(served_llama, version + 1)

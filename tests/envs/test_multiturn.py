@@ -2,7 +2,7 @@
 
 The engine stub only replaces sampling: it answers each request with scripted turn text, encoded by the
 tokenizer, so the test knows exactly which tokens were "sampled" and can check token-in/token-out.
-The proof with real vLLM generation is tests/test_multiturn_vllm.py.
+The proof with real vLLM generation is tests/envs/test_multiturn_vllm.py.
 """
 
 from __future__ import annotations

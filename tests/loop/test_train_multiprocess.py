@@ -10,7 +10,9 @@ import time
 import mp_trainer_common as C
 import pytest
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_train_worker.py")
+WORKER = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "mp_train_worker.py"
+)
 TIMEOUT_S = 400
 
 

@@ -24,8 +24,7 @@ import time
 import numpy as np
 import pytest
 import requests
-from test_weight_sync import _assert_serves_reference
-from vllm_server import perturbed
+from vllm_server import assert_serves_reference, perturbed
 
 from rljax import config as C
 from rljax import launch
@@ -33,7 +32,7 @@ from rljax.rollout import auth
 from rljax.rollout.server import ServerError, VLLMServer
 from rljax.weight_sync import staging
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RL_ROUTES = [
     "/update_weights",
     "/collective_rpc",
@@ -200,7 +199,7 @@ def test_unauthenticated_rl_routes_are_refused_and_the_sync_still_verifies(serve
     assert requests.get(url + "/health", timeout=30).status_code == 200
     metrics = served_qwen2.push(perturbed(served_qwen2.ref.state(), seed=41), version + 1)
     assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= 1e-3
-    _assert_serves_reference(served_qwen2, version + 1)
+    assert_serves_reference(served_qwen2, version + 1)
     # The token is on no command line of the server's processes, and in none of their environments
     # (they hold only the path of its 0600 file).
     server = served_qwen2.server
@@ -263,7 +262,7 @@ def test_token_holder_cannot_point_the_worker_outside_its_staging_root(served_qw
         requests.post(url + "/resume", headers=headers, timeout=60)
     engine.gate.broken = "attack test: re-push"  # the fixture's next user gets a full push
     served_qwen2.push(perturbed(served_qwen2.ref.state(), seed=43), version + 1)
-    _assert_serves_reference(served_qwen2, version + 1)
+    assert_serves_reference(served_qwen2, version + 1)
 
 
 @pytest.mark.vllm
@@ -366,7 +365,7 @@ def test_rollout_node_server_refuses_unauthenticated_rl_routes(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cmd = [sys.executable, "-m", "rljax.rollout.serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--token-file", str(token_file), "--", "--config=configs/grpo.py", f"--workdir={tmp_path}/w"]
     log = open(tmp_path / "serve.log", "wb")

@@ -10,7 +10,7 @@ from rljax.metrics import SCHEMA, MetricSchema, MetricSpec, combine_metrics, exa
 from rljax.metrics import schema as schema_mod
 from rljax.metrics.__main__ import main as schema_main
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 # The names other parts of rljax (the loop, weight sync, rollout) write: they must stay in the table.
 REQUIRED = """

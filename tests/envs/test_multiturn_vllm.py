@@ -25,7 +25,7 @@ from rljax.envs.tools import calculator_tool
 from rljax.trajectory import build_loss_inputs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SFT_STEPS = 200
 TASK = {"num_examples": 400, "seed": 0, "max_value": 4, "ops": ("+",)}
 

@@ -4,32 +4,13 @@ and the canary catching each known CPU pitfall (tied lm_head, stale prefix cache
 import numpy as np
 import pytest
 import requests
-from vllm_server import perturbed
+from vllm_server import PROBE_PROMPT, TOL, assert_serves_reference, perturbed
 
 from rljax.rollout import RolloutError
 from rljax.weight_sync import SyncOptions, WeightSyncer, WeightSyncError
-from rljax.weight_sync.canary import canary_prompt_len, server_block_size, server_prompt_logprobs
+from rljax.weight_sync.canary import canary_prompt_len, server_block_size
 
 pytestmark = pytest.mark.vllm
-
-# vLLM's CPU kernels and transformers accumulate float32 in different orders: ~5e-6 measured.
-TOL = 1e-4
-PROBE_PROMPT = [3, 141, 59, 26, 53, 58, 97, 93, 23, 84]
-PROBE_COMPLETION = [62, 64, 33, 83, 27, 95, 2, 88, 41, 97, 16, 93, 99, 37, 51, 5]
-
-
-def _assert_serves_reference(served, version: int) -> None:
-    """Server log-probs of a probe (not the canary's tokens) match the reference; versions agree."""
-    engine = served.engine
-    got = server_prompt_logprobs(
-        engine.urls[0], engine.client.model, PROBE_PROMPT, PROBE_COMPLETION, headers=engine.syncer.headers
-    )
-    want = served.ref.logprobs(PROBE_PROMPT, PROBE_COMPLETION)
-    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
-    assert engine.syncer.server_version(engine.urls[0]) == str(version)
-    assert engine.version == version
-    (c,) = engine.generate([PROBE_PROMPT], n=1, temperature=0.0, max_tokens=4, seed=0)
-    assert c.policy_version == version
 
 
 def _sync_several_updates(served, bucket_bytes: int) -> None:
@@ -47,7 +28,7 @@ def _sync_several_updates(served, bucket_bytes: int) -> None:
         )
         assert metrics["weight_sync/bytes"] == sum(v.nbytes for v in state.values())
         assert 0 < metrics["weight_sync/pause_seconds"] <= metrics["weight_sync/seconds"]
-        _assert_serves_reference(served, start + k)
+        assert_serves_reference(served, start + k)
 
 
 def test_qwen2_tied_several_updates_match_transformers(served_qwen2):
@@ -72,7 +53,7 @@ def test_bad_name_or_shape_rejected_before_pause_and_server_keeps_serving(served
     with pytest.raises(WeightSyncError, match=r"model\.layers\.1\.self_attn\.v_proj\.bias"):
         engine.push_weights(iter(missing.items()), version + 1, trainer_logprobs=served_qwen2.ref.logprobs)
     assert engine.gate.broken is None  # rejected before the pause: the old weights still serve
-    _assert_serves_reference(served_qwen2, version)
+    assert_serves_reference(served_qwen2, version)
 
 
 def _unchecked_syncer(engine) -> WeightSyncer:
@@ -107,7 +88,7 @@ def test_worker_rejects_bad_tensor_naming_it_then_full_push_recovers(served_qwen
     with pytest.raises(RolloutError, match="not servable"):
         engine.generate([PROBE_PROMPT], n=1, temperature=0.0, max_tokens=2)
     served_qwen2.push(perturbed(state, seed=7), version + 1)
-    _assert_serves_reference(served_qwen2, version + 1)
+    assert_serves_reference(served_qwen2, version + 1)
 
 
 def test_canary_catches_stale_tied_lm_head_without_the_repack_fix(served_qwen2):
@@ -119,7 +100,7 @@ def test_canary_catches_stale_tied_lm_head_without_the_repack_fix(served_qwen2):
     assert "tolerance" in str(err.value)
     served_qwen2.engine.syncer.reset()  # and back on
     served_qwen2.push(perturbed(state, seed=12), version + 2)
-    _assert_serves_reference(served_qwen2, version + 2)
+    assert_serves_reference(served_qwen2, version + 2)
 
 
 def test_canary_is_sized_from_the_servers_kv_block(served_qwen2):
@@ -137,7 +118,7 @@ def test_canary_catches_stale_prefix_cache(served_qwen2):
     with pytest.raises(WeightSyncError, match=r"canary greedy \(prefix cache\)"):
         served_qwen2.push(perturbed(state, seed=22, scale=0.3), version + 2, clear_prefix_cache=False)
     served_qwen2.push(perturbed(state, seed=23), version + 3)
-    _assert_serves_reference(served_qwen2, version + 3)
+    assert_serves_reference(served_qwen2, version + 3)
 
 
 def test_update_left_open_by_a_dead_trainer_is_closed_by_the_next_push(served_qwen2):
@@ -147,7 +128,7 @@ def test_update_left_open_by_a_dead_trainer_is_closed_by_the_next_push(served_qw
     headers = served_qwen2.engine.syncer.headers
     requests.post(url + "/start_weight_update", headers=headers, timeout=30).raise_for_status()
     served_qwen2.push(perturbed(state, seed=31), version + 1)
-    _assert_serves_reference(served_qwen2, version + 1)
+    assert_serves_reference(served_qwen2, version + 1)
 
 
 def test_sliced_push_is_assembled_by_the_worker(served_qwen2):
@@ -171,4 +152,4 @@ def test_sliced_push_is_assembled_by_the_worker(served_qwen2):
     m = served_qwen2.engine.push_weights(iter(items), version, trainer_logprobs=served_qwen2.ref.logprobs)
     assert m["weight_sync/canary_logprob_max_abs_diff"] <= TOL
     assert m["weight_sync/bytes"] >= sum(v.nbytes for v in state.values())
-    _assert_serves_reference(served_qwen2, version)
+    assert_serves_reference(served_qwen2, version)

@@ -1,4 +1,4 @@
-"""One process of the 2-process x 4-CPU-device train-step test (tests/test_train_multiprocess.py).
+"""One process of the 2-process x 4-CPU-device train-step test (tests/loop/test_train_multiprocess.py).
 
 Usage: python mp_train_worker.py PROCESS_ID PORT INPUT.pkl OUTPUT.pkl
 Joins a jax.distributed job on 127.0.0.1:PORT, builds the global batch from this process's rows with

@@ -1,4 +1,4 @@
-"""A reward for tests/test_profile.py's run, loaded as "chat_rewards:<fn>" (tests/ on PYTHONPATH)."""
+"""A reward for tests/metrics/test_profile.py's run, loaded as "chat_rewards:<fn>" (tests/ on PYTHONPATH)."""
 
 SYSTEM_PROMPT = "You add numbers."
 

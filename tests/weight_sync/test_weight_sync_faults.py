@@ -5,8 +5,7 @@ import threading
 import time
 
 import pytest
-from test_weight_sync import _assert_serves_reference
-from vllm_server import perturbed
+from vllm_server import assert_serves_reference, perturbed
 
 from rljax.rollout import RolloutError
 from rljax.weight_sync import SyncOptions, WeightSyncError
@@ -42,7 +41,7 @@ def test_server_killed_mid_sync_fails_fast_then_restart_and_repush_succeeds(serv
     served_qwen2.ref.load(state)
     metrics = engine.recover(iter(state.items()), version + 1, trainer_logprobs=served_qwen2.ref.logprobs)
     assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= 1e-4
-    _assert_serves_reference(served_qwen2, version + 1)
+    assert_serves_reference(served_qwen2, version + 1)
 
 
 def test_server_killed_mid_generation_raises_rollout_error_fast(served_qwen2):

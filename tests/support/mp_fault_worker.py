@@ -1,4 +1,4 @@
-"""One process of the dead-peer test (tests/test_faults_loop.py): joins a 2-process job through
+"""One process of the dead-peer test (tests/loop/test_faults_loop.py): joins a 2-process job through
 `rljax.runtime.initialize_jax` (RLJAX_* environment, as `rljax.launch` sets it), then runs the loop's
 collectives (`broadcast_tree`, `host_params`) once per 0.2 s, printing `rljax-test: step k`, forever."""
 
