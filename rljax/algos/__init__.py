@@ -8,6 +8,7 @@ Variants live in registries, resolved by name when a step is built (`ADVANTAGES.
     LOSS_AGGREGATIONS  fn(per_token, mask, *, num_tokens, num_seqs, max_len, segment_ids=None) -> f32[]
     IS_LEVELS          fn(log_ratio f32[B,T], mask f32[B,T], segment_ids=None) -> log_weights f32[B,T]
     IS_MODES           fn(raw f32[B,T], capped bool[B,T], cap) -> weights f32[B,T]
+    FAMILIES           Family(critic, min_group_size, packing, note): what `algo.family` asks of the run
 Plain functions: `sequence_totals`, `num_sequences` (per-sequence reductions over packed rows),
 `advantage_options`, `gae`, `masked_whiten`, `value_loss`, `importance_weights`,
 `dynamic_sampling_mask`, `overlong_penalty`, `token_entropy`, `entropy_bonus`.
@@ -27,6 +28,7 @@ from .aggregation import (
     token_mean,
 )
 from .dapo import dynamic_sampling_mask, overlong_penalty
+from .families import FAMILIES, Family
 from .gae import gae, masked_whiten, value_loss
 from .kl import KL_ESTIMATORS, k1, k2, k3
 from .off_policy import IS_LEVELS, IS_MODES, importance_weights
@@ -34,6 +36,8 @@ from .policy_losses import POLICY_LOSSES, clipped_objective, gspo, ppo_clip
 
 __all__ = [
     "ADVANTAGES",
+    "FAMILIES",
+    "Family",
     "IS_LEVELS",
     "IS_MODES",
     "KL_ESTIMATORS",
