@@ -11,10 +11,13 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rljax.config.parsing import field_types
 from rljax.config.schema import SANDBOX_MODES, Config, ConfigError, MeshConfig, RolloutConfig
+
+if TYPE_CHECKING:  # rljax.algos imports JAX: at run time it is imported inside the checks that need it
+    from rljax.algos import Family
 
 
 def _positive(cfg: Config) -> list[tuple[str, Any]]:
@@ -153,7 +156,7 @@ def _private_file(path: str) -> bool:
     return os.path.isfile(path) and not st.st_mode & 0o077
 
 
-def algo_family(cfg: Config) -> Any:
+def algo_family(cfg: Config) -> Family:
     """The `rljax.algos.Family` registered as `algo.family` (ConfigError listing the families if none)."""
     from rljax.algos import FAMILIES
 
@@ -279,7 +282,7 @@ def _validate_servers(ro: RolloutConfig) -> None:
         )
 
 
-def _validate_packing(cfg: Config, family: Any) -> None:
+def _validate_packing(cfg: Config, family: Family) -> None:
     tr = cfg.trainer
     if tr.tokens_per_micro_batch < 0:
         raise ConfigError(
