@@ -2,6 +2,7 @@
 
 Variants live in registries, resolved by name when a step is built (`ADVANTAGES.get("grpo")`):
     ADVANTAGES         fn(*, rewards f32[B], group_ids i32[B], num_groups, **options) -> f32[B]
+    STD_SCALES         fn(centered f32[B], group_std f32[B], rewards f32[B], eps) -> f32[B] (grpo's std_scale)
     POLICY_LOSSES      fn(logp, old_logp, advantages, mask, *, segment_ids=None, **options)
                        -> (per_token f32[B,T], metrics)
     KL_ESTIMATORS      fn(logp, ref_logp) -> f32[B,T]
@@ -17,7 +18,16 @@ Imports only jax/numpy and rljax.registry (see tests/test_layering.py).
 
 from ._masked import LOG_RATIO_CLAMP
 from ._segments import num_sequences, sequence_totals
-from .advantages import ADVANTAGES, advantage_options, drgrpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo
+from .advantages import (
+    ADVANTAGES,
+    STD_SCALES,
+    advantage_options,
+    drgrpo,
+    grpo,
+    reinforce_pp,
+    reinforce_pp_baseline,
+    rloo,
+)
 from .aggregation import (
     LOSS_AGGREGATIONS,
     entropy_bonus,
@@ -44,6 +54,7 @@ __all__ = [
     "LOG_RATIO_CLAMP",
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
+    "STD_SCALES",
     "advantage_options",
     "clipped_objective",
     "drgrpo",
