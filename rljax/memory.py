@@ -1,6 +1,6 @@
 """Per-device memory of the trainer's jitted functions, read from the compiler (nothing is allocated).
 
-The real train step (`trainer.make_train_step`, or the PPO step for `algo.family == "ppo"`) and the
+The real train step of `algo.family` (`trainer.FAMILY_STEPS`: the GRPO-family or the PPO step) and the
 log-prob passes (`trainer.make_logprob_fn`: old log-probs over the whole rollout batch, reference
 log-probs when `algo.beta > 0`) are lowered and compiled from `jax.ShapeDtypeStruct`s that carry their
 target shardings, and `compiled.memory_analysis()` gives, per device:
@@ -33,12 +33,13 @@ import optax
 from jax.sharding import Mesh
 
 from rljax import models
+from rljax.algos import FAMILIES
 from rljax.config import Config
 from rljax.trainer.batch import TrainBatch
+from rljax.trainer.families import make_family_train_step
 from rljax.trainer.logprobs import make_logprob_fn
 from rljax.trainer.optim import make_optimizer, total_optimizer_steps
 from rljax.trainer.packing import packed_row_length
-from rljax.trainer.ppo import make_ppo_train_step
 from rljax.trainer.state import (
     TrainState,
     abstract_critic,
@@ -46,7 +47,6 @@ from rljax.trainer.state import (
     resolve_model_config,
     state_shardings,
 )
-from rljax.trainer.step import make_train_step
 from rljax.types import LossInputs
 
 GIB = 1024**3
@@ -132,7 +132,7 @@ def abstract_train_state(
     """TrainState of ShapeDtypeStructs with their target shardings, from `jax.eval_shape` of the init
     (master params in `cfg.model.param_dtype`; PPO adds the critic and its optimizer state)."""
     resolved = resolve_model_config(cfg, model_config)
-    critic = cfg.algo.family == "ppo"
+    critic = FAMILIES.get(cfg.algo.family).critic
 
     def init(params, critic_params):
         return TrainState(
@@ -174,17 +174,17 @@ def abstract_loss_inputs(cfg: Config, rows: int, seq_len: int, mesh: Mesh) -> Lo
 
 def abstract_train_batch(cfg: Config, rows: int, seq_len: int, mesh: Mesh) -> TrainBatch:
     """The TrainBatch a train step receives: old log-probs, reference log-probs when algo.beta > 0, and
-    for PPO token-level advantages, returns and old values."""
+    for a family with a critic (PPO) token-level advantages, returns and old values."""
     inputs = abstract_loss_inputs(cfg, rows, seq_len, mesh)
     token = inputs.loss_mask
-    ppo = cfg.algo.family == "ppo"
+    critic = FAMILIES.get(cfg.algo.family).critic
     return TrainBatch(
         inputs=inputs,
         old_logp=token,
-        advantages=token if ppo else inputs.advantages,
+        advantages=token if critic else inputs.advantages,
         ref_logp=token if cfg.algo.beta > 0 else None,
-        returns=token if ppo else None,
-        old_values=token if ppo else None,
+        returns=token if critic else None,
+        old_values=token if critic else None,
     )
 
 
@@ -221,12 +221,6 @@ def compile_memory(
     )
 
 
-def make_step_for(cfg: Config, model_config: models.ModelConfig, mesh: Mesh, optimizer) -> Any:
-    """The jitted train step of `cfg.algo.family` (PPO: actor + critic; else the GRPO family)."""
-    factory = make_ppo_train_step if cfg.algo.family == "ppo" else make_train_step
-    return factory(cfg, model_config, mesh, optimizer=optimizer)
-
-
 def compiled_train_memory(
     cfg: Config,
     model_config: models.ModelConfig,
@@ -251,7 +245,7 @@ def compiled_train_memory(
     ref = device_bytes(state.params) if cfg.algo.beta > 0 else 0
     batch_held = device_bytes(full) if shapes.train_rows < shapes.rows else 0
     others = device_bytes(state) - device_bytes(state.params)  # optimizer state(s), critic
-    step = make_step_for(cfg, model_config, mesh, optimizer)
+    step = make_family_train_step(cfg, model_config, mesh, optimizer=optimizer)  # trainer.FAMILY_STEPS
     report = {
         "train_step": compile_memory(
             step, state, minibatch, resident_bytes=ref + batch_held, with_hlo=with_hlo

@@ -17,8 +17,6 @@ It prints the per-device memory report, then exits 0 with `preflight: ok ...`, o
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import sys
 import urllib.error
@@ -27,58 +25,16 @@ import urllib.request
 from rljax import config as config_lib
 from rljax import runtime
 from rljax.config import Config
+from rljax.memory_formula import (  # the hand formula (the fallback); its names stay reachable from here
+    KEEPS_ACTIVATIONS,
+    ModelShape,
+    estimate_train_memory,
+    estimated_peak,
+    read_model_shape,
+)
 
 GIB = 1024**3
-LOGPROB_CHUNK = 4096  # vocab chunk width of rljax.kernels' fused log-prob impls (kernels/xla.py)
 ROLLOUT_OVERHEAD = 1.2  # vLLM's weights + activation/graph workspace, relative to the weights alone
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a decoder read from a Hugging Face config.json."""
-
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool
-    qkv_bias: bool
-    qk_norm: bool
-    serve_bytes: int  # bytes per parameter of the checkpoint's torch_dtype (what vLLM loads)
-
-    @property
-    def num_params(self) -> int:
-        """Parameter count: embeddings, per-layer attention + SwiGLU MLP + norms, final norm, lm_head."""
-        d, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)
-        layer = attn + 3 * d * self.intermediate + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
-        return self.vocab * d * (1 if self.tied else 2) + self.layers * layer + d
-
-
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def read_model_shape(model_path: str) -> ModelShape:
-    """ModelShape from `<model_path>/config.json` (Qwen2, Qwen3, Llama field names)."""
-    with open(os.path.join(model_path, "config.json")) as f:
-        c = json.load(f)
-    heads = int(c["num_attention_heads"])
-    return ModelShape(
-        vocab=int(c["vocab_size"]),
-        hidden=int(c["hidden_size"]),
-        intermediate=int(c["intermediate_size"]),
-        layers=int(c["num_hidden_layers"]),
-        heads=heads,
-        kv_heads=int(c.get("num_key_value_heads") or heads),  # HF: absent means multi-head attention
-        head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),  # HF: absent means hidden / heads
-        tied=bool(c.get("tie_word_embeddings", False)),  # HF PretrainedConfig default
-        qkv_bias=c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)),
-        qk_norm=c.get("model_type") == "qwen3",
-        serve_bytes=_DTYPE_BYTES.get(str(c.get("torch_dtype") or c.get("dtype") or "bfloat16"), 2),
-    )
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -102,8 +58,11 @@ def check_batches(cfg: Config, num_devices: int) -> list[str]:
         out.append(
             f"rollout.batch_size: {ro.batch_size} is not divisible by rollout.group_size={ro.group_size}"
         )
-    if cfg.algo.family == "grpo" and ro.group_size < 2:
-        out.append("rollout.group_size: GRPO needs at least 2 samples per prompt")
+    need = config_lib.algo_family(cfg).min_group_size  # rljax.algos.FAMILIES
+    if ro.group_size < need:
+        out.append(
+            f"rollout.group_size: algo.family={cfg.algo.family!r} needs at least {need} samples per prompt"
+        )
     if tr.minibatches < 1 or ro.batch_size % tr.minibatches:
         out.append(
             f"trainer.minibatches: {tr.minibatches} does not divide rollout.batch_size={ro.batch_size}"
@@ -126,64 +85,6 @@ def check_batches(cfg: Config, num_devices: int) -> list[str]:
             f"data*fsdp = {data_parallel} devices ({micro / data_parallel:g} per device)"
         )
     return out
-
-
-def _layer_activation_bytes(cfg: Config, shape: ModelShape, seqs: int, seq_len: int, tensor: int) -> float:
-    """One layer's activations for `seqs` rows of `seq_len` tokens (Korthikanti et al. 2022, sec. 4:
-    s*b*h*(34 + 5*a*s/h) bytes in 16-bit); the attention term spans one key block instead of the whole
-    row unless attention is materialized."""
-    from rljax.models.attention import resolve_attention_impl  # imports jax: after initialize_jax
-
-    scale = _DTYPE_BYTES[cfg.model.compute_dtype] / 2  # the reference counts 16-bit activations
-    keys = seq_len
-    if resolve_attention_impl(cfg.model.attention_impl) != "materialized":
-        keys = min(seq_len, cfg.model.attention_block_size)
-    d = shape.hidden
-    return seqs * seq_len * d * (34 + 5 * shape.heads * keys / d) * scale / tensor
-
-
-def estimate_train_memory(cfg: Config, shape: ModelShape, num_devices: int) -> dict[str, float]:
-    """Bytes per device of the trainer by part, the fallback where the step cannot be compiled.
-
-    Held throughout: params, optimizer, reference, critic (parameters shard over fsdp*tensor). The train
-    step adds grads, activations and logprob_chunks for one micro-batch per device; the old/reference
-    log-prob pass adds logprob_pass over its rows (the whole rollout batch). `estimated_peak(parts)` is
-    the larger of the two phases. Checked against compiled numbers in tests/test_preflight.py.
-
-    References: activations per layer ~ s*b*h*(34 + 5*a*s/h) bytes in 16-bit, 2*s*b*h with full remat
-    (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4).
-    """
-    sizes = config_lib.mesh_shape(cfg.mesh, num_devices)
-    model_shards, data_parallel = sizes["fsdp"] * sizes["tensor"], sizes["data"] * sizes["fsdp"]
-    params = shape.num_params * _DTYPE_BYTES[cfg.model.param_dtype] / model_shards
-    minibatch = cfg.rollout.batch_size // cfg.trainer.minibatches
-    seqs = max(1, (cfg.trainer.micro_batch_size or minibatch) // data_parallel)
-    seq_len = cfg.rollout.vllm.max_model_len  # the longest length bucket
-    tokens, layer = seqs * seq_len, _layer_activation_bytes(cfg, shape, seqs, seq_len, sizes["tensor"])
-    if cfg.model.remat != "none":  # layer inputs kept, one layer recomputed at a time
-        activations = shape.layers * tokens * shape.hidden * _DTYPE_BYTES[cfg.model.compute_dtype] + layer
-    else:
-        activations = shape.layers * layer
-    chunk = min(shape.vocab, LOGPROB_CHUNK)
-    pass_seqs = max(1, cfg.rollout.batch_size // data_parallel)
-    return {
-        "params": params,
-        "optimizer": 2 * params if cfg.optim.name == "adamw" else 0.0,  # adam's mu and nu
-        "reference": params if cfg.algo.beta > 0 else 0.0,
-        "critic": 4 * params if cfg.algo.family == "ppo" else 0.0,  # its params, grads, adam moments
-        "grads": params,
-        "activations": activations,
-        "logprob_chunks": 3 * tokens * chunk * 4,  # f32 logits, softmax and its gradient for one chunk
-        # forward only: one layer at a time, f32 final hidden states, logits and softmax of one chunk
-        "logprob_pass": _layer_activation_bytes(cfg, shape, pass_seqs, seq_len, sizes["tensor"])
-        + pass_seqs * seq_len * (shape.hidden + 2 * chunk) * 4,
-    }
-
-
-def estimated_peak(parts: dict[str, float]) -> float:
-    """Peak bytes per device from `estimate_train_memory` parts: held parts + the larger phase."""
-    held = parts["params"] + parts["optimizer"] + parts["reference"] + parts["critic"]
-    return held + max(parts["grads"] + parts["activations"] + parts["logprob_chunks"], parts["logprob_pass"])
 
 
 def memory_budget(cfg: Config, device_memory_bytes: int) -> tuple[float, str]:
@@ -255,7 +156,7 @@ def check_memory(
     if total + reserved <= budget:
         return []
     vllm = f" + vLLM's {reserved / GIB:.2f} GiB (rollout.vllm.gpu_memory_utilization)" if reserved else ""
-    remat = ", or set model.remat=full" if cfg.model.remat == "none" else ""
+    remat = ", or set model.remat=full" if KEEPS_ACTIVATIONS.get(cfg.model.remat) else ""
     return [
         f"memory: the trainer needs {total / GIB:.2f} GiB per device ({detail}){vllm}, but a device has "
         f"{budget / GIB:.2f} GiB ({source}); shard more (mesh.fsdp/tensor) or lower "

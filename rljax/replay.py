@@ -100,8 +100,7 @@ def replay(workdir: str, step: int) -> Verdict:
         want, _ = checkpointer.restore(step + 1, template)
     finally:
         checkpointer.close()
-    make_update = trainer.make_ppo_update if cfg.algo.family == "ppo" else trainer.make_update
-    update = make_update(cfg, model_config, mesh)
+    update = trainer.make_family_update(cfg, model_config, mesh)
     batch, _ = trainer.prepare_batch(cfg, load_batch(batch_file), mesh)
     got, _ = update(state, batch, params if cfg.algo.beta > 0 else None)
     return compare_trees(got, want)

@@ -74,7 +74,10 @@ def write_file(name: str, text: str):
 ARG_CASES = {  # name -> (overrides, with {tmp} and {file} filled in, fragments of the error line)
     "learning_rate_inf": (["--config.optim.learning_rate=1e999"], ["optim.learning_rate", "finite", "inf"]),
     "max_model_len_negative": (["--config.rollout.vllm.max_model_len=-512"], ["rollout.vllm.max_model_len"]),
-    "port_out_of_range": (["--config.rollout.vllm.port=70000"], ["rollout.vllm.port", "[0, 65535]", "70000"]),
+    "removed_field": (
+        ["--config.rollout.vllm.port=8000"],
+        ["rollout.vllm.port", "removed", "rollout.vllm.urls"],
+    ),
     "num_workers_huge": (["--config.reward.num_workers=1000000"], ["reward.num_workers", "[1, 256]"]),
     "num_workers_float": (["--config.reward.num_workers=1e6"], ["reward.num_workers", "expected int"]),
     "reward_weight_inf": (["--config.reward.weights=(1e999,)"], ["reward.weights", "finite"]),

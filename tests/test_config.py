@@ -1,7 +1,9 @@
 """The typed config schema: conversion, unknown keys, types, choices, cross-field validation."""
 
+import ast
 import dataclasses
 import importlib.util
+import inspect
 import json
 
 import pytest
@@ -33,9 +35,13 @@ def test_fixed_field_names_exist():
         "mesh.tensor",
         "checkpoint.every_steps",
         "model.path",
-        "rollout.engine",
+        "rollout.vllm.urls",
     ]:
         assert key in names, key
+    for key in C.REMOVED_FIELDS:  # removed fields stay removed, and passing one says why
+        assert key not in names, key
+        with pytest.raises(C.ConfigError, match=f"{key}: removed: "):
+            C.parse_override(key, "1")
 
 
 def test_unknown_key_names_it_and_suggests():
@@ -102,7 +108,7 @@ def test_validate_rejects_impossible_values(changes, field):
 
 
 def replace_fields(cfg, changes: dict):
-    """cfg with dotted fields (any depth, e.g. rollout.vllm.port) replaced."""
+    """cfg with dotted fields (any depth, e.g. rollout.vllm.max_model_len) replaced."""
     for key, value in changes.items():
         *path, name = key.split(".")
         sections = [cfg]
@@ -125,8 +131,7 @@ def replace_fields(cfg, changes: dict):
         ({"reward.weights": ("1",)}, "reward.weights", "finite"),
         ({"rollout.vllm.max_model_len": -512}, "rollout.vllm.max_model_len", ">= 1"),
         ({"rollout.vllm.max_model_len": 16}, "rollout.vllm.max_model_len", "no room for a prompt"),
-        ({"rollout.vllm.port": 70000}, "rollout.vllm.port", "[0, 65535]"),
-        ({"rollout.vllm.port": -1}, "rollout.vllm.port", "[0, 65535]"),
+        ({"rollout.vllm.kvcache_space_gib": -1}, "rollout.vllm.kvcache_space_gib", ">= 0"),
         ({"reward.num_workers": 1_000_000}, "reward.num_workers", "[1, 256]"),
         ({"rollout.vllm.gpu_memory_utilization": 1.5}, "rollout.vllm.gpu_memory_utilization", "[0.0, 1.0]"),
         ({"rollout.vllm.gpu_memory_utilization": 0.0}, "rollout.vllm.gpu_memory_utilization", "> 0"),
@@ -146,7 +151,6 @@ def test_validate_checks_finiteness_and_ranges(changes, field, fragment):
 
 def test_validate_accepts_range_edges():
     edges = {
-        "rollout.vllm.port": 65535,
         "reward.num_workers": 256,
         "rollout.vllm.gpu_memory_utilization": 1.0,
     }
@@ -288,3 +292,104 @@ def test_validate_runtime_rejects_an_unreadable_model_config(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(C.ConfigError, match="model.path: .*config.json: JSONDecodeError"):
         C.validate_runtime(runtime_config(str(tmp_path)), 1)
+
+
+def test_family_choices_are_the_registered_families():
+    """algo.family's choices (for the one-line error at parse time) are rljax.algos.FAMILIES, and every
+    family has its step builders in rljax.trainer.FAMILY_STEPS."""
+    from rljax.algos import FAMILIES
+    from rljax.trainer import FAMILY_STEPS
+
+    choices = {f.name: f for f in dataclasses.fields(C.AlgoConfig)}["family"].metadata["choices"]
+    assert sorted(choices) == FAMILIES.names() == FAMILY_STEPS.names()
+
+
+@pytest.mark.parametrize("family", ["grpo", "ppo"])
+def test_family_facts_drive_validation(family):
+    from rljax.algos import FAMILIES
+
+    facts = FAMILIES.get(family)
+    small = replace_fields(
+        C.Config(), {"algo.family": family, "rollout.group_size": 1, "rollout.batch_size": 8}
+    )
+    if facts.min_group_size > 1:
+        with pytest.raises(C.ConfigError, match=f"needs at least {facts.min_group_size} samples"):
+            C.validate(small)
+    else:
+        C.validate(small)
+    packed = replace_fields(C.Config(), {"algo.family": family, "trainer.tokens_per_micro_batch": 64})
+    if facts.packing:
+        C.validate(packed)
+    else:
+        with pytest.raises(C.ConfigError, match="packing is not available"):
+            C.validate(packed)
+
+
+def _class_defaults(cls) -> dict[str, ast.expr]:
+    """field name -> the default expression in `cls`'s source (dataclass fields with a default)."""
+    tree = ast.parse(inspect.getsource(inspect.getmodule(cls)))
+    (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__]
+    return {
+        s.target.id: s.value
+        for s in node.body
+        if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name) and s.value is not None
+    }
+
+
+def _literal(expr: ast.expr) -> bool:
+    if isinstance(expr, (ast.Tuple, ast.List)):
+        return all(_literal(e) for e in expr.elts)
+    return isinstance(expr, ast.Constant) or (isinstance(expr, ast.UnaryOp) and _literal(expr.operand))
+
+
+def engine_option_defaults() -> dict[tuple[type, str], object]:
+    """(engine options class, field) -> its default derived from the config's defaults: every option the
+    config sets. ServerOptions' fields are the ones `options_from_config` sets."""
+    from rljax.rollout.client import ClientOptions
+    from rljax.rollout.server import ServerOptions, options_from_config
+    from rljax.weight_sync.syncer import SyncOptions
+
+    d = C.DEFAULTS
+    ws, vc = d.rollout.weight_sync, d.rollout.vllm
+    out = {
+        (SyncOptions, "bucket_bytes"): ws.bucket_mb * 2**20,
+        (SyncOptions, "checksums"): ws.checksums,
+        (SyncOptions, "canary_tolerance"): C.canary_tolerance(d),
+        (SyncOptions, "transport"): ws.transport,
+        (SyncOptions, "tcp_host"): ws.tcp_host,
+        (SyncOptions, "tcp_timeout_s"): ws.tcp_timeout_s,
+        (ClientOptions, "no_progress_timeout_s"): vc.no_progress_timeout_s,
+        (ClientOptions, "max_retries"): vc.max_retries,
+        (ClientOptions, "max_in_flight"): d.rollout.max_in_flight,
+    }
+    from_config = options_from_config(d)
+    call = next(
+        n
+        for n in ast.walk(ast.parse(inspect.getsource(options_from_config)))
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ServerOptions"
+    )
+    for kw in call.keywords:
+        out[(ServerOptions, kw.arg)] = getattr(from_config, kw.arg)
+    return out
+
+
+def test_engine_options_take_their_defaults_from_the_config():
+    """Each engine option the config sets has one default, the config's: the options class neither
+    disagrees with it (SyncOptions' canary tolerance once said 1e-4, the config 1e-3) nor restates it."""
+    expected = engine_option_defaults()
+    assert len({cls for cls, _ in expected}) == 3 and len(expected) > 20
+    for (cls, name), want in expected.items():
+        default = {f.name: f.default for f in dataclasses.fields(cls)}[name]
+        assert default == want, f"{cls.__name__}.{name}: default {default!r}, the config's {want!r}"
+        expr = _class_defaults(cls)[name]
+        assert not _literal(expr), f"{cls.__name__}.{name} restates its default: {ast.unparse(expr)}"
+    from rljax.rollout.server import ServerOptions, options_from_config
+
+    assert options_from_config(C.DEFAULTS) == ServerOptions()
+
+
+def test_the_restated_default_finder():
+    src = "class A:\n    x: int = 3\n    y: float = -1.5\n    z: tuple = ('a',)\n    w: int = D.a.b * 2\n"
+    tree = ast.parse(src)
+    values = {s.target.id: s.value for s in tree.body[0].body}
+    assert [n for n, v in values.items() if _literal(v)] == ["x", "y", "z"]

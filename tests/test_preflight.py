@@ -314,3 +314,10 @@ def test_cli_fails_on_the_memory_budget_with_compiled_numbers(qwen):
     fails = [line for line in proc.stdout.splitlines() if line.startswith("preflight: FAIL")]
     assert len(report) == 1 and "compiled for 16 rows x 512 tokens" in report[0], proc.stdout
     assert len(fails) == 1 and "FAIL memory:" in fails[0] and "(mesh.device_memory_gib)" in fails[0], fails
+
+
+def test_the_hand_formula_knows_every_remat_policy():
+    from rljax.memory_formula import KEEPS_ACTIVATIONS
+    from rljax.models.remat import REMAT_POLICIES
+
+    assert KEEPS_ACTIVATIONS.names() == REMAT_POLICIES.names()

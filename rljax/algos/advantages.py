@@ -24,7 +24,8 @@ from ._masked import center, group_stats, unbiased_std
 
 ADVANTAGES: Registry = Registry("advantage estimator")
 
-STD_SCALES = ("group", "batch", "none")
+# `algo.adv_std_scale`: fn(centered f32[B], group_std f32[B], rewards f32[B], eps) -> advantages f32[B].
+STD_SCALES: Registry = Registry("advantage std scale")
 # What every estimator takes per batch; any other keyword of an estimator is one of its options.
 ADVANTAGE_INPUTS = ("rewards", "group_ids", "num_groups")
 
@@ -46,6 +47,24 @@ def advantage_options(fn: Callable, offered: Mapping[str, Any]) -> dict[str, Any
     if missing:
         raise ValueError(f"{fn.__name__} needs options {missing}; offered: {sorted(offered)}")
     return options
+
+
+@STD_SCALES.register("group")
+def scale_by_group_std(centered: jax.Array, std: jax.Array, rewards: jax.Array, eps: float) -> jax.Array:
+    """Divides by each sequence's group std (DeepSeekMath's GRPO)."""
+    return centered / (std + eps)
+
+
+@STD_SCALES.register("batch")
+def scale_by_batch_std(centered: jax.Array, std: jax.Array, rewards: jax.Array, eps: float) -> jax.Array:
+    """Divides by the std of all B rewards (group mean, batch std; Liu et al. 2025, arXiv:2508.08221)."""
+    return centered / (unbiased_std(rewards) + eps)
+
+
+@STD_SCALES.register("none")
+def no_scale(centered: jax.Array, std: jax.Array, rewards: jax.Array, eps: float) -> jax.Array:
+    """Leaves the centered rewards unscaled (then GRPO equals Dr. GRPO)."""
+    return centered
 
 
 def _as_f32(rewards: jax.Array) -> jax.Array:
@@ -74,14 +93,11 @@ def grpo(
     "Tricks or Traps? A Deep Dive into RL for LLM Reasoning" (arXiv:2508.08221).
     """
     if std_scale not in STD_SCALES:
-        raise ValueError(f"std_scale must be one of {STD_SCALES}, got {std_scale!r}")
+        raise ValueError(f"std_scale must be one of {', '.join(STD_SCALES.names())}, got {std_scale!r}")
+    scale = STD_SCALES.get(std_scale)
     rewards = _as_f32(rewards)
     centered, std, _ = group_stats(rewards, group_ids, num_groups)
-    if std_scale == "group":
-        return centered / (std + eps)
-    if std_scale == "batch":
-        return centered / (unbiased_std(rewards) + eps)
-    return centered
+    return scale(centered, std, rewards, eps)
 
 
 @ADVANTAGES.register("drgrpo")

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import aiohttp
 
+from rljax.config import DEFAULTS
 from rljax.rollout.auth import bearer_headers
 from rljax.weight_sync.gate import PolicyGate
 
@@ -53,10 +54,11 @@ class Completion:
 
 @dataclasses.dataclass(frozen=True)
 class ClientOptions:
-    no_progress_timeout_s: float = 120.0  # a busy server with no new token for this long fails its requests
-    max_retries: int = 2
+    # A busy server with no new token for this long fails its requests (defaults: the config's, DEFAULTS).
+    no_progress_timeout_s: float = DEFAULTS.rollout.vllm.no_progress_timeout_s
+    max_retries: int = DEFAULTS.rollout.vllm.max_retries
     retry_backoff_s: float = 0.5
-    max_in_flight: int = 64  # per server
+    max_in_flight: int = DEFAULTS.rollout.max_in_flight  # per server
     connect_timeout_s: float = 10.0
     # A server a request just failed on gets no new requests for this long while another one is up.
     failed_server_pause_s: float = 5.0

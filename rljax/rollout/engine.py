@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
+from rljax.config import DEFAULTS
 from rljax.rollout.auth import bearer_headers, new_token
 from rljax.rollout.client import ClientOptions, Completion, RolloutClient
 from rljax.rollout.server import ServerOptions, VLLMServer
@@ -89,8 +90,8 @@ class VLLMEngine:
         model_path: str | os.PathLike,
         workdir: str | os.PathLike,
         *,
-        replicas: int = 1,
-        host: str = "127.0.0.1",
+        replicas: int = DEFAULTS.rollout.vllm.num_servers,
+        host: str = DEFAULTS.rollout.vllm.host,
         server_options: ServerOptions = ServerOptions(),
         **kwargs,
     ) -> VLLMEngine:

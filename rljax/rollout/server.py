@@ -32,7 +32,7 @@ from pathlib import Path
 import requests
 
 from rljax import envvars
-from rljax.config import Config, is_loopback_host, serving_dtype
+from rljax.config import DEFAULTS, Config, is_loopback_host, serving_dtype
 from rljax.rollout import auth, placement
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, STAGING_DIR_ENV
 
@@ -41,32 +41,36 @@ class ServerError(RuntimeError):
     """The vLLM server failed to start, died, or did not become healthy in time."""
 
 
+_VLLM = DEFAULTS.rollout.vllm  # the config's defaults: each field the config sets has its default there
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerOptions:
-    """Command-line and environment settings of an owned vLLM server (one default each, here)."""
+    """Command-line and environment settings of an owned vLLM server. A field the config sets defaults to
+    the config's default (`options_from_config(DEFAULTS) == ServerOptions()`); the rest have theirs here."""
 
-    dtype: str = "float32"
-    max_model_len: int = 512
-    block_size: int | None = 32  # KV-cache block (--block-size); None: vLLM's default (128 on CPU)
-    gpu_memory_utilization: float = 0.15  # on the CPU build: fraction of host RAM reserved
-    kvcache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (CPU build only)
-    weight_transfer_backend: str = "shm"
+    dtype: str = serving_dtype(DEFAULTS)
+    max_model_len: int = _VLLM.max_model_len
+    block_size: int | None = _VLLM.block_size or None  # --block-size; None: vLLM's default (128 on CPU)
+    gpu_memory_utilization: float = _VLLM.gpu_memory_utilization  # on the CPU build: share of host RAM
+    kvcache_space_gib: int = _VLLM.kvcache_space_gib  # VLLM_CPU_KVCACHE_SPACE (CPU build only)
+    weight_transfer_backend: str = DEFAULTS.rollout.weight_sync.transport
     logprobs_mode: str = "processed_logprobs"
     max_logprobs: int = 20
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
+    seed: int = DEFAULTS.trainer.seed
+    tensor_parallel_size: int = _VLLM.tensor_parallel_size
+    data_parallel_size: int = _VLLM.data_parallel_size
     enforce_eager: bool = True
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float = _VLLM.startup_timeout_s
     stop_grace_s: float = 10.0
-    extra_args: tuple[str, ...] = ()
+    extra_args: tuple[str, ...] = _VLLM.extra_args
     extra_env: tuple[tuple[str, str], ...] = ()
-    allow_remote: bool = False  # True: a non-loopback host is allowed (the token still guards every route)
+    allow_remote: bool = _VLLM.allow_remote  # True: a non-loopback host (the token still guards every route)
     staging_dir: str = DEFAULT_STAGING_DIR  # shm transport: the only directory the workers map buckets from
     # Thread placement (`rljax.rollout.placement`): the worker's OpenMP cores (() = vLLM's own binding) and
     # how long an idle worker busy-polls before sleeping (vLLM's own is 1 s, a core taken from the trainer).
     cpus: tuple[int, ...] = ()
-    idle_spin_s: float = 0.002
+    idle_spin_s: float = _VLLM.idle_spin_s
 
 
 def options_from_config(cfg: Config, **overrides) -> ServerOptions:
@@ -184,7 +188,7 @@ class VLLMServer:
         model_path: str | os.PathLike,
         workdir: str | os.PathLike,
         *,
-        host: str = "127.0.0.1",
+        host: str = _VLLM.host,
         port: int = 0,
         options: ServerOptions = ServerOptions(),
         token: str | None = None,

@@ -6,12 +6,16 @@ loss only), so everything here works on float32 trees.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import optax
 
 from rljax.config import Config, OptimConfig
+from rljax.registry import Registry
+
+Schedule = Callable[[jax.Array], jax.Array]
 
 
 def total_optimizer_steps(cfg: Config) -> int:
@@ -19,18 +23,14 @@ def total_optimizer_steps(cfg: Config) -> int:
     return cfg.trainer.steps * cfg.trainer.epochs * cfg.trainer.minibatches
 
 
-def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> Callable[[jax.Array], jax.Array]:
-    """Learning rate as a function of the number of applied updates `count i32[]`.
+# optim.schedule: fn(peak, warmup, total_steps) -> learning rate as a function of `count i32[]`.
+SCHEDULES: Registry[Callable[[float, int, int], Schedule]] = Registry("learning-rate schedule")
 
-    Linear warmup from 0 over `warmup_steps`, then `constant` (the peak rate) or `cosine` decay to 0 at
-    `total_steps`.
 
-    References: Loshchilov & Hutter 2017, "SGDR: Stochastic Gradient Descent with Warm Restarts" (cosine).
-    """
-    peak, warmup = optim_cfg.learning_rate, optim_cfg.warmup_steps
-    if optim_cfg.schedule == "cosine":
-        decay_steps = max(total_steps, warmup + 1)
-        return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, decay_steps, end_value=0.0)
+@SCHEDULES.register("constant")
+def constant_schedule(peak: float, warmup: int, total_steps: int) -> Schedule:
+    """Linear warmup from 0 over `warmup` updates, then the peak rate."""
+    del total_steps
     if warmup == 0:
         return optax.constant_schedule(peak)
     return optax.join_schedules(
@@ -38,36 +38,63 @@ def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> Callable[[jax.Arr
     )
 
 
+@SCHEDULES.register("cosine")
+def cosine_schedule(peak: float, warmup: int, total_steps: int) -> Schedule:
+    """Linear warmup from 0 over `warmup` updates, then cosine decay to 0 at `total_steps`.
+
+    References: Loshchilov & Hutter 2017, "SGDR: Stochastic Gradient Descent with Warm Restarts".
+    """
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1), end_value=0.0)
+
+
+def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> Schedule:
+    """Learning rate as a function of the number of applied updates `count i32[]`: the `optim.schedule`
+    entry of SCHEDULES (constant or cosine, both after a linear warmup over `warmup_steps`)."""
+    return SCHEDULES.get(optim_cfg.schedule)(optim_cfg.learning_rate, optim_cfg.warmup_steps, total_steps)
+
+
 def _decay_mask(params):
     """Weight decay on matrices only: biases and norm scales (ndim < 2) are not decayed."""
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """One `optim.name`: `make(optim_cfg, schedule) -> optax.GradientTransformation`, and `moments`, the
+    float32 buffers of the parameters' shape its state holds per parameter (the memory formula's count)."""
+
+    make: Callable[[OptimConfig, Schedule], optax.GradientTransformation]
+    moments: int
+
+
+OPTIMIZERS: Registry[Optimizer] = Registry("optimizer")
+
+
+def _adamw(optim_cfg: OptimConfig, schedule: Schedule) -> optax.GradientTransformation:
+    """AdamW, weight decay decoupled. References: Loshchilov & Hutter 2019, "Decoupled Weight Decay
+    Regularization"."""
+    c = optim_cfg
+    return optax.adamw(schedule, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, mask=_decay_mask)
+
+
+def _sgd(optim_cfg: OptimConfig, schedule: Schedule) -> optax.GradientTransformation:
+    """SGD with L2-coupled weight decay (added to the gradient)."""
+    return optax.chain(
+        optax.add_decayed_weights(optim_cfg.weight_decay, mask=_decay_mask), optax.sgd(schedule)
+    )
+
+
+OPTIMIZERS.add("adamw", Optimizer(_adamw, moments=2))  # mu and nu
+OPTIMIZERS.add("sgd", Optimizer(_sgd, moments=0))
+
+
 def make_optimizer(optim_cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """optax AdamW or SGD with `make_schedule`, global-norm clipping when `max_grad_norm > 0`.
+    """The `optim.name` entry of OPTIMIZERS (AdamW or SGD) with `make_schedule`, and global-norm clipping
+    when `max_grad_norm > 0`. Weight decay skips parameters with fewer than 2 dimensions.
 
-    Weight decay is decoupled for AdamW and L2-coupled (added to the gradient) for SGD; both skip
-    parameters with fewer than 2 dimensions.
-
-    References: Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization" (AdamW);
-    Pascanu et al. 2013, "On the difficulty of training recurrent neural networks" (norm clipping).
+    References: Pascanu et al. 2013, "On the difficulty of training recurrent neural networks" (clipping).
     """
-    schedule = make_schedule(optim_cfg, total_steps)
-    if optim_cfg.name == "adamw":
-        base = optax.adamw(
-            schedule,
-            b1=optim_cfg.b1,
-            b2=optim_cfg.b2,
-            eps=optim_cfg.eps,
-            weight_decay=optim_cfg.weight_decay,
-            mask=_decay_mask,
-        )
-    elif optim_cfg.name == "sgd":
-        base = optax.chain(
-            optax.add_decayed_weights(optim_cfg.weight_decay, mask=_decay_mask), optax.sgd(schedule)
-        )
-    else:  # OptimConfig choices are validated when the config is parsed
-        raise ValueError(f"unknown optimizer {optim_cfg.name!r}; valid: adamw, sgd")
+    base = OPTIMIZERS.get(optim_cfg.name).make(optim_cfg, make_schedule(optim_cfg, total_steps))
     if optim_cfg.max_grad_norm > 0:
         return optax.chain(optax.clip_by_global_norm(optim_cfg.max_grad_norm), base)
     return base

@@ -18,6 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rljax import models, sharding
+from rljax.algos import FAMILIES
 from rljax.config import Config
 from rljax.trainer.optim import make_optimizer, total_optimizer_steps
 
@@ -219,11 +220,12 @@ def init_train_state(
     Shardings come from `jax.eval_shape` of the optimizer init and the model's logical axes, so no
     unsharded copy of the optimizer state is ever built. Master params are cast to `cfg.model.param_dtype`.
     `optimizer` defaults to `make_optimizer(cfg.optim, total_optimizer_steps(cfg))` (what the steps use).
-    For `algo.family == "ppo"` the critic defaults to `init_critic_params(model_config, params)`.
+    For a family with a critic (`rljax.algos.FAMILIES`: PPO) the critic defaults to
+    `init_critic_params(model_config, params)`.
     """
     if optimizer is None:
         optimizer = make_optimizer(cfg.optim, total_optimizer_steps(cfg))
-    if critic_params is None and cfg.algo.family == "ppo":
+    if critic_params is None and FAMILIES.get(cfg.algo.family).critic:
         critic_params = init_critic_params(model_config, params)
     model_config = resolve_model_config(cfg, model_config)
     dtype = dtype_of(model_config.param_dtype)

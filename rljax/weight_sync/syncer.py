@@ -36,6 +36,8 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import requests
 
+from rljax.config import DEFAULTS, TRANSPORTS
+from rljax.config import canary_tolerance as config_canary_tolerance
 from rljax.weight_sync import canary as canary_lib
 from rljax.weight_sync import stream
 from rljax.weight_sync.gate import PolicyGate
@@ -56,18 +58,19 @@ class WeightSyncError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class SyncOptions:
-    bucket_bytes: int = 64 * 2**20
+    # Fields the config sets default to the config's defaults (rljax.config.DEFAULTS, declared once there).
+    bucket_bytes: int = DEFAULTS.rollout.weight_sync.bucket_mb * 2**20
     prestage: bool = True
-    checksums: bool = False
-    canary_tolerance: float = 1e-4
+    checksums: bool = DEFAULTS.rollout.weight_sync.checksums
+    canary_tolerance: float = config_canary_tolerance(DEFAULTS)
     staging_dir: str = DEFAULT_STAGING_DIR
     control_timeout_s: float = 30.0  # pause, start, finish, resume, canary requests
     update_timeout_s: float = 120.0  # one bucket
     clear_prefix_cache: bool = True  # False only to show that the canary catches a stale cache
     repack_tied_lm_head: bool = True  # False only to show that the canary catches vLLM's tied-head bug
-    transport: str = "shm"  # "shm" (same host) | "tcp" (bucket bytes streamed over a socket)
-    tcp_host: str = "127.0.0.1"  # tcp: the trainer address the servers connect to (bound by the trainer)
-    tcp_timeout_s: float = 30.0  # tcp: connect and per-receive timeout, both ends
+    transport: str = DEFAULTS.rollout.weight_sync.transport  # "shm" (same host) | "tcp" (a socket)
+    tcp_host: str = DEFAULTS.rollout.weight_sync.tcp_host  # tcp: the trainer address the servers reach
+    tcp_timeout_s: float = DEFAULTS.rollout.weight_sync.tcp_timeout_s  # tcp: connect and each receive
     direct_load: bool = True  # False: every layer through vLLM's layerwise reload (vLLM's own path)
 
     def __post_init__(self):
@@ -78,9 +81,6 @@ class SyncOptions:
         for name in ("bucket_bytes", "control_timeout_s", "update_timeout_s", "tcp_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"weight sync: {name} must be > 0, got {getattr(self, name)!r}")
-
-
-TRANSPORTS = ("shm", "tcp")
 
 
 class WeightSyncer:

@@ -87,8 +87,11 @@ def test_an_option_without_default_that_is_not_offered_raises():
         algos.advantage_options(needs_tau, {"eps": 0.1})
 
 
-@pytest.mark.parametrize("field,registry", [("is_level", algos.IS_LEVELS), ("is_mode", algos.IS_MODES)])
-def test_config_choices_are_the_registered_importance_weight_members(field, registry):
+@pytest.mark.parametrize(
+    "field,registry",
+    [("is_level", algos.IS_LEVELS), ("is_mode", algos.IS_MODES), ("adv_std_scale", algos.STD_SCALES)],
+)
+def test_config_choices_are_the_registered_members(field, registry):
     # The config lists its choices (for the one-line error at parse time); they must be the registry's.
     choices = {f.name: f for f in dataclasses.fields(Config().algo)}[field].metadata["choices"]
     assert sorted(choices) == registry.names()

@@ -1,5 +1,7 @@
 """Optimizer and schedule from OptimConfig; optimizer-state shardings; the host-side skip check."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import mp_trainer_common as C
@@ -9,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rljax.config import OptimConfig
 from rljax.trainer import NonFiniteError, check_nonfinite, make_optimizer, make_schedule
+from rljax.trainer.optim import OPTIMIZERS, SCHEDULES
 from rljax.trainer.state import opt_state_shardings
 
 
@@ -79,3 +82,20 @@ def test_check_nonfinite_raises_at_k():
     check_nonfinite(2, 3)
     with pytest.raises(NonFiniteError, match="3 consecutive.*max_nonfinite_skips=3"):
         check_nonfinite(3, 3)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS.names())
+def test_optimizer_moments_count_the_state_buffers(name):
+    """`Optimizer.moments` (what preflight's memory formula multiplies the params by) is the number of
+    parameter-shaped buffers the real optimizer state holds."""
+    params = {"w": jax.ShapeDtypeStruct((3, 5), jnp.float32), "b": jax.ShapeDtypeStruct((5,), jnp.float32)}
+    opt = make_optimizer(OptimConfig(name=name), 10)
+    state = jax.eval_shape(opt.init, params)
+    sizes = [int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(state) if leaf.ndim]
+    assert sum(sizes) == OPTIMIZERS.get(name).moments * (3 * 5 + 5)
+
+
+def test_config_choices_are_the_registered_optimizers_and_schedules():
+    fields = {f.name: f for f in dataclasses.fields(OptimConfig)}
+    assert sorted(fields["name"].metadata["choices"]) == OPTIMIZERS.names()
+    assert sorted(fields["schedule"].metadata["choices"]) == SCHEDULES.names()
