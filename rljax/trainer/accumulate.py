@@ -41,10 +41,11 @@ def split_micro_batches(tree: Any, num_micro: int, mesh: Mesh) -> Any:
 
 
 def micro_batch_rows(cfg: Config, minibatch_rows: int, data_parallel: int) -> int:
-    """Rows per micro-batch: with packing (`trainer.tokens_per_micro_batch > 0`) one packed row per
-    data-parallel device, else `trainer.micro_batch_size` (0: the whole minibatch of `minibatch_rows`)."""
+    """Rows per micro-batch: with packing (`trainer.tokens_per_micro_batch > 0`)
+    `trainer.packed_rows_per_micro_batch` packed rows per data-parallel device (0: the whole minibatch),
+    else `trainer.micro_batch_size` (0: the whole minibatch of `minibatch_rows`)."""
     if cfg.trainer.tokens_per_micro_batch:
-        return data_parallel
+        return data_parallel * cfg.trainer.packed_rows_per_micro_batch or minibatch_rows
     return cfg.trainer.micro_batch_size or minibatch_rows
 
 
