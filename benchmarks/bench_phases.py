@@ -76,6 +76,11 @@ def loop_config(model_path: str, args, max_staleness: int):
                 eval_every=0,
                 max_staleness=max_staleness,
                 tokens_per_micro_batch=max(rows, args.max_tokens + 1),
+                packed_rows_per_micro_batch=(
+                    cfg.trainer.packed_rows_per_micro_batch
+                    if args.rows_per_micro < 0
+                    else args.rows_per_micro
+                ),
             ),
             checkpoint=dataclasses.replace(cfg.checkpoint, enabled=False),
             data=dataclasses.replace(cfg.data, eval_size=8),
@@ -85,12 +90,38 @@ def loop_config(model_path: str, args, max_staleness: int):
 
 
 def run_loop(cfg, workdir: Path) -> list[dict]:
-    """Runs `rljax.loop.train` and returns its metrics.jsonl rows (one per step)."""
-    from rljax.loop.train import train
+    """Runs `rljax.loop.train` and returns its metrics.jsonl rows (one per step), each with
+    `bench/compile_s`: the XLA compile seconds since the previous row (a recompile shows as a spike)."""
+    import jax
 
-    train(cfg, str(workdir))
+    from rljax.loop import train as train_module
+
+    compiles: list[float] = []
+    writes: list[float] = []
+
+    def listener(event: str, seconds: float, **_) -> None:
+        if event.endswith("backend_compile_duration"):
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    run_step = train_module.run_step
+
+    def counted_step(run, step):  # compile seconds accumulated by the end of each step
+        out = run_step(run, step)
+        writes.append(sum(compiles))
+        return out
+
+    train_module.run_step = counted_step
+    try:
+        train_module.train(cfg, str(workdir))
+    finally:
+        train_module.run_step = run_step
+        jax.monitoring.unregister_event_duration_listener(listener)
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "timing/step_s" in r]
+    rows = [r for r in rows if "timing/step_s" in r]
+    for r, before, after in zip(rows, [0.0, *writes], writes, strict=False):
+        r["bench/compile_s"] = after - before
+    return rows
 
 
 def step_requests(cfg, steps: int) -> list[tuple[list[list[int]], int]]:
@@ -301,6 +332,7 @@ def summarize(sync_rows, async_rows, gen_floor, bare, isolated) -> dict:
     parts = ("stage_seconds", "pause_seconds", "engine_seconds", "canary_early_forward")
     out["sync_loop_parts_s"] |= {k: med(sync_rows, f"weight_sync/{k}") for k in parts}
     keys = ("timing/step_s", "rollout/seconds", "timing/update_s", "weight_sync/seconds")
+    keys += ("batch/rows", "batch/row_length", "bench/compile_s")
     out["per_step"] = {
         mode: {k: [r.get(k, 0.0) for r in rows] for k in keys}
         for mode, rows in (("sync", sync_rows), ("async", async_rows))
@@ -323,6 +355,15 @@ def print_table(s: dict, header: str) -> None:
         tgt = f"<= {row['target']:.2f} {'met' if row['met'] else 'NOT met'}" if "target" in row else ""
         print(f"{k:<16s} {row['seconds']:9.3f} {row['floor_seconds']:9.3f} {row['ratio']:7.2f}  {tgt}")
     print("sync loop parts (s): " + ", ".join(f"{k}={v:.3f}" for k, v in s["sync_loop_parts_s"].items()))
+    for mode in ("sync", "async"):
+        steps = s["per_step"][mode]
+        if steps["timing/step_s"]:
+            rows = [
+                f"{int(r)}x{int(n)}"
+                for r, n in zip(steps["batch/rows"], steps["batch/row_length"], strict=True)
+            ]
+            compiles = ", ".join(f"{c:.1f}" for c in steps["bench/compile_s"])
+            print(f"{mode} loop packed rows per step: {' '.join(rows)}; compile s per step: {compiles}")
     pad, pad_iso = s["batch/pad_fraction"], s["batch/pad_fraction_isolated"]
     print(f"batch/pad_fraction {pad:.3f} (isolated batch {pad_iso:.3f})")
 
@@ -340,6 +381,13 @@ def parse_args(argv=None):
         default=160,
         help="trainer.tokens_per_micro_batch (0: configs/grpo.py's 64); 160 holds 4 of the task's "
         "37-39 token sequences (pad ~0.05; 64 holds one: pad ~0.41)",
+    )
+    p.add_argument(
+        "--rows-per-micro",
+        type=int,
+        default=-1,
+        help="trainer.packed_rows_per_micro_batch (-1: configs/grpo.py's; 1: one row per device per "
+        "micro-batch; 0: the whole minibatch in one device step)",
     )
     p.add_argument("--repeats", type=int, default=5, help="timed bare / isolated updates")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model (smoke test)")
@@ -367,7 +415,10 @@ def main(argv=None) -> dict:
     s = summarize(sync_rows, async_rows, gen_times[args.skip :], bare, isolated)
     s["model_params"] = params
     s["offline_engine_cpu_s_in_1s_after_generate"] = idle_cpu
-    s["config"] = vars(args) | {"tokens_per_micro_batch": sync_cfg.trainer.tokens_per_micro_batch}
+    s["config"] = vars(args) | {
+        "tokens_per_micro_batch": sync_cfg.trainer.tokens_per_micro_batch,
+        "packed_rows_per_micro_batch": sync_cfg.trainer.packed_rows_per_micro_batch,
+    }
     s["host"] = {
         "cpus": len(os.sched_getaffinity(0)),
         "loadavg_before": load_before,
