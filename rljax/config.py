@@ -266,9 +266,7 @@ class TrainerConfig:
     # > 0: sequences are packed into rows of this many tokens (rljax.trainer.packing) and a micro-batch is
     # one packed row per data-parallel device; 0: one sequence per row, padded to a length bucket.
     tokens_per_micro_batch: int = 0
-    # With packing: packed rows per data-parallel device in one micro-batch (1: one row, the least
-    # memory; 0: the whole minibatch in one pass, fewest and largest device steps, for small models).
-    packed_rows_per_micro_batch: int = 1
+    packed_rows_per_micro_batch: int = 1  # packed rows per device per micro-batch; 0: whole minibatch
     epochs: int = 1  # update passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
     max_nonfinite_skips: int = 3  # consecutive skipped (non-finite) updates before the run stops
@@ -660,11 +658,6 @@ def _validate_packing(cfg: Config) -> None:
     if tr.tokens_per_micro_batch < 0:
         raise ConfigError(
             "trainer.tokens_per_micro_batch", f"must be >= 0 (0: no packing), got {tr.tokens_per_micro_batch}"
-        )
-    if tr.packed_rows_per_micro_batch < 0:
-        raise ConfigError(
-            "trainer.packed_rows_per_micro_batch",
-            f"must be >= 0 (0: the whole minibatch), got {tr.packed_rows_per_micro_batch}",
         )
     if not tr.tokens_per_micro_batch:
         return

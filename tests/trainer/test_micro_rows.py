@@ -71,3 +71,13 @@ def test_update_with_whole_minibatch_micro_batch_matches(ref):
         out.append((C.to_host(new_state.params), metrics))
     np.testing.assert_allclose(out[1][1]["loss/total"], out[0][1]["loss/total"], rtol=1e-6)
     assert C.max_rel_diff(out[1][0], out[0][0]) <= 1e-6
+
+
+def test_negative_rows_per_micro_batch_is_rejected(ref):
+    from rljax.trainer.accumulate import micro_batch_rows
+
+    cfg = C.with_fields(
+        ref.cfg, trainer__tokens_per_micro_batch=ROW_LEN, trainer__packed_rows_per_micro_batch=-1
+    )
+    with pytest.raises(ValueError, match="packed_rows_per_micro_batch"):
+        micro_batch_rows(cfg, 8, 1)
