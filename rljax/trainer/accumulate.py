@@ -41,9 +41,10 @@ def split_micro_batches(tree: Any, num_micro: int, mesh: Mesh) -> Any:
 
 
 def micro_batch_rows(cfg: Config, minibatch_rows: int, data_parallel: int) -> int:
-    """Rows per micro-batch: with packing (`trainer.tokens_per_micro_batch > 0`)
-    `trainer.packed_rows_per_micro_batch` packed rows per data-parallel device (0: the whole minibatch),
-    else `trainer.micro_batch_size` (0: the whole minibatch of `minibatch_rows`)."""
+    """Rows per micro-batch (packed: at most; `step.num_micro_batches`): with packing
+    (`trainer.tokens_per_micro_batch > 0`) `trainer.packed_rows_per_micro_batch` packed rows per
+    data-parallel device (0: the whole minibatch), else `trainer.micro_batch_size` (0: the whole
+    minibatch of `minibatch_rows`)."""
     if cfg.trainer.tokens_per_micro_batch:
         rows_per_device = cfg.trainer.packed_rows_per_micro_batch
         if rows_per_device < 0:

@@ -4,18 +4,18 @@ The loop hands the trainer the loss-input contract (`LossInputs`, one sampled se
 the host). With `trainer.tokens_per_micro_batch = N > 0` the trainer repacks it before it goes to the
 devices: whole sequences are placed first-fit-decreasing into rows of exactly N tokens, each with its
 own segment id (1, 2, ... within the row; 0 is padding) and positions restarting at 0, so attention,
-RoPE and every loss reduction stay per sequence. A micro-batch is then `trainer.packed_rows_per_micro_batch`
-packed rows per data-parallel device (default 1: the activations of N tokens per device, whatever the
-rollout lengths; 0: the whole minibatch in one pass).
+RoPE and every loss reduction stay per sequence. A micro-batch is then up to
+`trainer.packed_rows_per_micro_batch` packed rows per data-parallel device (default 1: the activations of
+N tokens per device, whatever the rollout lengths; see `trainer.step.num_micro_batches`).
 
 Per-sequence fields (advantages, rewards, group ids, policy versions) become per-token `[R, N]` arrays
 holding their sequence's value (0 on padding); the aggregations and sequence-level ratios reduce over
 segments (`rljax.algos` take `segment_ids`), so a packed batch gives the same loss as the unpacked one.
 
 Rows are dealt to the data-parallel ranks so each rank holds about the same number of real tokens, and
-their count is rounded up (with empty rows) to a multiple of ranks x minibatches (x rows per
-micro-batch), the layout `trainer.accumulate.split_micro_batches` expects: device d's contiguous block
-holds its rows of each micro-batch.
+their count is rounded up (with empty rows) to a multiple of ranks x minibatches, the layout
+`trainer.accumulate.split_micro_batches` expects: device d's contiguous block holds its rows of each
+micro-batch.
 
 Host-side numpy only; deterministic (the same batch packs the same way on every process).
 """
@@ -178,8 +178,7 @@ def packed_row_length(tokens_per_micro_batch: int, longest: int) -> int:
 def layout_batch(cfg: Config, batch: LossInputs, data_parallel: int) -> tuple[LossInputs, dict]:
     """The batch the devices train on, and its layout metrics: packed into rows of
     `trainer.tokens_per_micro_batch` tokens (grown by `packed_row_length` for a longer sequence; row
-    count a multiple of data_parallel x trainer.minibatches x trainer.packed_rows_per_micro_batch) when
-    that is > 0, else the batch as given.
+    count a multiple of data_parallel x trainer.minibatches) when that is > 0, else the batch as given.
     Metrics: `batch/pad_fraction`, `batch/rows`, and when packed `batch/rank_token_imbalance` and
     `batch/row_length`."""
     n = cfg.trainer.tokens_per_micro_batch
@@ -189,9 +188,7 @@ def layout_batch(cfg: Config, batch: LossInputs, data_parallel: int) -> tuple[Lo
             lengths,
             row_len=packed_row_length(n, int(lengths.max())),
             num_ranks=data_parallel,
-            rows_multiple=data_parallel
-            * cfg.trainer.minibatches
-            * max(cfg.trainer.packed_rows_per_micro_batch, 1),
+            rows_multiple=data_parallel * cfg.trainer.minibatches,
         )
         batch = pack_loss_inputs(batch, plan)
     metrics = {"batch/pad_fraction": padding_fraction(batch), "batch/rows": float(batch.input_ids.shape[0])}

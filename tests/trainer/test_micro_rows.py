@@ -10,7 +10,7 @@ from rljax import trainer
 from rljax.trainer.batch import TrainBatch
 from rljax.trainer.step import make_grad_fn, num_micro_batches
 
-ROW_LEN = 64
+ROW_LEN = 40  # the reference batch packs into 8 rows: micro-batches of 2 or 4 rows divide them
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,9 @@ def test_larger_micro_batches_equal_one_row_each(ref, devices, rows_per_micro):
     one = C.with_fields(ref.cfg, trainer__tokens_per_micro_batch=ROW_LEN, algo__beta=0.0)
     many = C.with_fields(one, trainer__packed_rows_per_micro_batch=rows_per_micro)
     rows = prepared(many, ref, mesh)[0].input_ids.shape[0]
-    expected = 1 if rows_per_micro == 0 else rows // (devices * rows_per_micro)
-    assert num_micro_batches(many, rows, devices) == expected
-    assert num_micro_batches(one, rows, devices) == rows // devices > expected  # really fewer steps
+    per_device, count = rows // devices, num_micro_batches(many, rows, devices)
+    assert per_device % count == 0 and (rows_per_micro == 0 or per_device // count <= rows_per_micro)
+    assert num_micro_batches(one, rows, devices) == per_device > count  # really fewer, larger steps
     g1, m1 = grads_and_metrics(one, ref, mesh)
     gm, mm = grads_and_metrics(many, ref, mesh)
     for key, value in m1.items():
@@ -48,14 +48,15 @@ def test_larger_micro_batches_equal_one_row_each(ref, devices, rows_per_micro):
     assert C.max_rel_diff(gm, g1) <= 1e-6
 
 
-def test_rows_rounded_to_whole_micro_batches(ref):
-    mesh = C.mesh_of(jax.devices()[:2], 1, 2, 1)
+@pytest.mark.parametrize(
+    ("rows", "devices", "rows_per_micro", "expected"),
+    [(9, 1, 2, 9), (10, 1, 2, 5), (10, 1, 4, 5), (8, 2, 3, 2), (12, 1, 4, 3), (12, 2, 0, 1), (7, 1, 1, 7)],
+)
+def test_micro_batch_count_divides_rows_without_padding(ref, rows, devices, rows_per_micro, expected):
     cfg = C.with_fields(
-        ref.cfg, trainer__tokens_per_micro_batch=ROW_LEN, trainer__packed_rows_per_micro_batch=3
+        ref.cfg, trainer__tokens_per_micro_batch=ROW_LEN, trainer__packed_rows_per_micro_batch=rows_per_micro
     )
-    sharded, layout = prepared(cfg, ref, mesh)
-    rows = sharded.input_ids.shape[0]
-    assert rows % 6 == 0 and layout["batch/rows"] == rows
+    assert num_micro_batches(cfg, rows, devices) == expected
 
 
 def test_update_with_whole_minibatch_micro_batch_matches(ref):
