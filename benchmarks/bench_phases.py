@@ -222,6 +222,18 @@ def idle_cpu_seconds(window_s: float) -> float:
 
 def bare_update(model_path: str, sequences, repeats: int) -> list[float]:
     """Seconds per bare value_and_grad + AdamW step on `sequences` [(prompt, completion)], no padding."""
+    step = make_bare_step(model_path, sequences)
+    return [timed(step) for _ in range(repeats + 2)][2:]  # the first two calls compile
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def make_bare_step(model_path: str, sequences):
+    """`fn()`: one bare value_and_grad + AdamW step on `sequences` (grouped by exact length), blocking."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -257,19 +269,23 @@ def bare_update(model_path: str, sequences, repeats: int) -> list[float]:
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    opt_state = opt.init(params)
-    groups = jax.device_put(groups)
-    times = []
-    for _ in range(repeats + 2):  # the first two calls compile (the second for the updated params)
-        t0 = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, groups)
+    held = {"params": params, "opt_state": opt.init(params), "groups": jax.device_put(groups)}
+
+    def run() -> None:
+        held["params"], held["opt_state"], loss = step(held["params"], held["opt_state"], held["groups"])
         jax.block_until_ready(loss)
-        times.append(time.perf_counter() - t0)
-    return times[2:]
+
+    return run
 
 
 def isolated_update(cfg, sequences, repeats: int) -> tuple[list[float], float]:
     """Seconds per rljax update (prepare_batch + update) on `sequences`, outside the loop; pad fraction."""
+    run, pad = make_isolated_update(cfg, sequences)
+    return [timed(run) for _ in range(repeats + 2)][2:], pad
+
+
+def make_isolated_update(cfg, sequences):
+    """(`fn()`: one rljax update, prepare_batch included, blocking on its metrics; the pad fraction)."""
     import jax
 
     from rljax import trainer
@@ -290,14 +306,46 @@ def isolated_update(cfg, sequences, repeats: int) -> tuple[list[float], float]:
     batch = build_loss_inputs(
         trajs, adv, temperature=cfg.rollout.temperature, max_len=cfg.rollout.vllm.max_model_len
     )
-    times, pad = [], 0.0
-    for _ in range(repeats + 2):
-        t0 = time.perf_counter()
-        sharded, layout = trainer.prepare_batch(cfg, batch, mesh)
-        state, _ = update(state, sharded)
-        times.append(time.perf_counter() - t0)
-        pad = layout.get("batch/pad_fraction", 0.0)
-    return times[2:], pad
+    held = {"state": state}
+
+    def run() -> None:
+        sharded, _ = trainer.prepare_batch(cfg, batch, mesh)
+        held["state"], _ = update(held["state"], sharded)  # metrics come back as host floats
+
+    data_parallel = len(jax.devices())  # the bench's mesh: every device data-parallel
+    return run, trainer.layout_batch(cfg, batch, data_parallel)[1].get("batch/pad_fraction", 0.0)
+
+
+def synthetic_sequences(args) -> list[tuple[list[int], list[int]]]:
+    """`args.batch` (prompt, completion) id lists shaped like the task's: 6-7 prompt tokens and
+    `max_tokens - 1` or `max_tokens` completion tokens (a random-init policy rarely stops early)."""
+    rng = np.random.default_rng(0)
+    vocab = MODELS["tiny" if args.tiny else "13m"]["vocab_size"]
+    lengths = [(6 + i % 2, args.max_tokens - 1 + i % 2) for i in range(args.batch)]
+    return [(list(rng.integers(10, vocab, p)), list(rng.integers(10, vocab, c))) for p, c in lengths]
+
+
+def micro_sweep(model: str, args) -> dict:
+    """rljax's update at each `--micro-sweep` packed rows per micro-batch vs the bare step, on the same
+    synthetic tokens, alternated round by round (so load drifts hit every variant alike). No servers."""
+    sequences = synthetic_sequences(args)
+    runs = {"bare": make_bare_step(model, sequences)}
+    for k in (int(x) for x in args.micro_sweep.split(",")):
+        args.rows_per_micro = k
+        runs[f"rows_{k}"] = make_isolated_update(loop_config(model, args, 0), sequences)[0]
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(args.repeats + 2):
+        for name, run in runs.items():
+            t = timed(run)
+            if r >= 2:  # the first two calls compile
+                times[name].append(t)
+    bare = statistics.median(times["bare"])
+    out = {}
+    for name, t in times.items():
+        out[name] = {"seconds": statistics.median(t), "ratio": statistics.median(t) / bare, "all": t}
+        row = out[name]
+        print(f"{name:8s} {row['seconds']:7.3f} s {row['ratio']:5.2f}x bare  {[round(x, 3) for x in t]}")
+    return out
 
 
 def med(rows: list[dict], key: str) -> float:
@@ -390,6 +438,12 @@ def parse_args(argv=None):
         "rows); 2 x 160 tokens was the fastest here (2 cores: 1 row 1.07x bare, 2 rows 0.98x, 4 rows "
         "1.07x, the whole batch 1.22x)",
     )
+    p.add_argument(
+        "--micro-sweep",
+        default="",
+        help="e.g. 1,2,4,0: only time rljax's update at each trainer.packed_rows_per_micro_batch against "
+        "the bare step (synthetic task-shaped tokens, no servers, variants alternated each round)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed bare / isolated updates")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model (smoke test)")
     p.add_argument("--skip-async", action="store_true", help="leave out the async loop (one server less)")
@@ -404,6 +458,12 @@ def main(argv=None) -> dict:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_model(Path(tmp) / "model", "tiny" if args.tiny else "13m"))
+        if args.micro_sweep:
+            s = {"micro_sweep": micro_sweep(model, args), "loadavg": (load_before, os.getloadavg())}
+            print(f"load average (1/5/15 min) {s['loadavg'][0]} -> {s['loadavg'][1]}")
+            if args.json:
+                Path(args.json).write_text(json.dumps(s, indent=2))
+            return s
         sync_cfg = loop_config(model, args, 0)
         sync_rows = run_loop(sync_cfg, Path(tmp) / "sync")[args.skip :]
         async_rows = []
