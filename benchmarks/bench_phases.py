@@ -76,6 +76,11 @@ def loop_config(model_path: str, args, max_staleness: int):
                 eval_every=0,
                 max_staleness=max_staleness,
                 tokens_per_micro_batch=max(rows, args.max_tokens + 1),
+                packed_rows_per_micro_batch=(
+                    cfg.trainer.packed_rows_per_micro_batch
+                    if args.rows_per_micro < 0
+                    else args.rows_per_micro
+                ),
             ),
             checkpoint=dataclasses.replace(cfg.checkpoint, enabled=False),
             data=dataclasses.replace(cfg.data, eval_size=8),
@@ -85,12 +90,38 @@ def loop_config(model_path: str, args, max_staleness: int):
 
 
 def run_loop(cfg, workdir: Path) -> list[dict]:
-    """Runs `rljax.loop.train` and returns its metrics.jsonl rows (one per step)."""
-    from rljax.loop.train import train
+    """Runs `rljax.loop.train` and returns its metrics.jsonl rows (one per step), each with
+    `bench/compile_s`: the XLA compile seconds since the previous row (a recompile shows as a spike)."""
+    import jax
 
-    train(cfg, str(workdir))
+    from rljax.loop import train as train_module
+
+    compiles: list[float] = []
+    writes: list[float] = []
+
+    def listener(event: str, seconds: float, **_) -> None:
+        if event.endswith("backend_compile_duration"):
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    run_step = train_module.run_step
+
+    def counted_step(run, step):  # compile seconds accumulated by the end of each step
+        out = run_step(run, step)
+        writes.append(sum(compiles))
+        return out
+
+    train_module.run_step = counted_step
+    try:
+        train_module.train(cfg, str(workdir))
+    finally:
+        train_module.run_step = run_step
+        jax.monitoring.unregister_event_duration_listener(listener)
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "timing/step_s" in r]
+    rows = [r for r in rows if "timing/step_s" in r]
+    for r, before, after in zip(rows, [0.0, *writes], writes, strict=False):
+        r["bench/compile_s"] = after - before
+    return rows
 
 
 def step_requests(cfg, steps: int) -> list[tuple[list[list[int]], int]]:
@@ -191,6 +222,18 @@ def idle_cpu_seconds(window_s: float) -> float:
 
 def bare_update(model_path: str, sequences, repeats: int) -> list[float]:
     """Seconds per bare value_and_grad + AdamW step on `sequences` [(prompt, completion)], no padding."""
+    step = make_bare_step(model_path, sequences)
+    return [timed(step) for _ in range(repeats + 2)][2:]  # the first two calls compile
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def make_bare_step(model_path: str, sequences):
+    """`fn()`: one bare value_and_grad + AdamW step on `sequences` (grouped by exact length), blocking."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -226,19 +269,23 @@ def bare_update(model_path: str, sequences, repeats: int) -> list[float]:
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    opt_state = opt.init(params)
-    groups = jax.device_put(groups)
-    times = []
-    for _ in range(repeats + 2):  # the first two calls compile (the second for the updated params)
-        t0 = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, groups)
+    held = {"params": params, "opt_state": opt.init(params), "groups": jax.device_put(groups)}
+
+    def run() -> None:
+        held["params"], held["opt_state"], loss = step(held["params"], held["opt_state"], held["groups"])
         jax.block_until_ready(loss)
-        times.append(time.perf_counter() - t0)
-    return times[2:]
+
+    return run
 
 
 def isolated_update(cfg, sequences, repeats: int) -> tuple[list[float], float]:
     """Seconds per rljax update (prepare_batch + update) on `sequences`, outside the loop; pad fraction."""
+    run, pad = make_isolated_update(cfg, sequences)
+    return [timed(run) for _ in range(repeats + 2)][2:], pad
+
+
+def make_isolated_update(cfg, sequences):
+    """(`fn()`: one rljax update, prepare_batch included, blocking on its metrics; the pad fraction)."""
     import jax
 
     from rljax import trainer
@@ -259,14 +306,46 @@ def isolated_update(cfg, sequences, repeats: int) -> tuple[list[float], float]:
     batch = build_loss_inputs(
         trajs, adv, temperature=cfg.rollout.temperature, max_len=cfg.rollout.vllm.max_model_len
     )
-    times, pad = [], 0.0
-    for _ in range(repeats + 2):
-        t0 = time.perf_counter()
-        sharded, layout = trainer.prepare_batch(cfg, batch, mesh)
-        state, _ = update(state, sharded)
-        times.append(time.perf_counter() - t0)
-        pad = layout.get("batch/pad_fraction", 0.0)
-    return times[2:], pad
+    held = {"state": state}
+
+    def run() -> None:
+        sharded, _ = trainer.prepare_batch(cfg, batch, mesh)
+        held["state"], _ = update(held["state"], sharded)  # metrics come back as host floats
+
+    data_parallel = len(jax.devices())  # the bench's mesh: every device data-parallel
+    return run, trainer.layout_batch(cfg, batch, data_parallel)[1].get("batch/pad_fraction", 0.0)
+
+
+def synthetic_sequences(args) -> list[tuple[list[int], list[int]]]:
+    """`args.batch` (prompt, completion) id lists shaped like the task's: 6-7 prompt tokens and
+    `max_tokens - 1` or `max_tokens` completion tokens (a random-init policy rarely stops early)."""
+    rng = np.random.default_rng(0)
+    vocab = MODELS["tiny" if args.tiny else "13m"]["vocab_size"]
+    lengths = [(6 + i % 2, args.max_tokens - 1 + i % 2) for i in range(args.batch)]
+    return [(list(rng.integers(10, vocab, p)), list(rng.integers(10, vocab, c))) for p, c in lengths]
+
+
+def micro_sweep(model: str, args) -> dict:
+    """rljax's update at each `--micro-sweep` packed rows per micro-batch vs the bare step, on the same
+    synthetic tokens, alternated round by round (so load drifts hit every variant alike). No servers."""
+    sequences = synthetic_sequences(args)
+    runs = {"bare": make_bare_step(model, sequences)}
+    for k in (int(x) for x in args.micro_sweep.split(",")):
+        args.rows_per_micro = k
+        runs[f"rows_{k}"] = make_isolated_update(loop_config(model, args, 0), sequences)[0]
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(args.repeats + 2):
+        for name, run in runs.items():
+            t = timed(run)
+            if r >= 2:  # the first two calls compile
+                times[name].append(t)
+    bare = statistics.median(times["bare"])
+    out = {}
+    for name, t in times.items():
+        out[name] = {"seconds": statistics.median(t), "ratio": statistics.median(t) / bare, "all": t}
+        row = out[name]
+        print(f"{name:8s} {row['seconds']:7.3f} s {row['ratio']:5.2f}x bare  {[round(x, 3) for x in t]}")
+    return out
 
 
 def med(rows: list[dict], key: str) -> float:
@@ -301,6 +380,7 @@ def summarize(sync_rows, async_rows, gen_floor, bare, isolated) -> dict:
     parts = ("stage_seconds", "pause_seconds", "engine_seconds", "canary_early_forward")
     out["sync_loop_parts_s"] |= {k: med(sync_rows, f"weight_sync/{k}") for k in parts}
     keys = ("timing/step_s", "rollout/seconds", "timing/update_s", "weight_sync/seconds")
+    keys += ("batch/rows", "batch/row_length", "bench/compile_s")
     out["per_step"] = {
         mode: {k: [r.get(k, 0.0) for r in rows] for k in keys}
         for mode, rows in (("sync", sync_rows), ("async", async_rows))
@@ -323,6 +403,15 @@ def print_table(s: dict, header: str) -> None:
         tgt = f"<= {row['target']:.2f} {'met' if row['met'] else 'NOT met'}" if "target" in row else ""
         print(f"{k:<16s} {row['seconds']:9.3f} {row['floor_seconds']:9.3f} {row['ratio']:7.2f}  {tgt}")
     print("sync loop parts (s): " + ", ".join(f"{k}={v:.3f}" for k, v in s["sync_loop_parts_s"].items()))
+    for mode in ("sync", "async"):
+        steps = s["per_step"][mode]
+        if steps["timing/step_s"]:
+            rows = [
+                f"{int(r)}x{int(n)}"
+                for r, n in zip(steps["batch/rows"], steps["batch/row_length"], strict=True)
+            ]
+            compiles = ", ".join(f"{c:.1f}" for c in steps["bench/compile_s"])
+            print(f"{mode} loop packed rows per step: {' '.join(rows)}; compile s per step: {compiles}")
     pad, pad_iso = s["batch/pad_fraction"], s["batch/pad_fraction_isolated"]
     print(f"batch/pad_fraction {pad:.3f} (isolated batch {pad_iso:.3f})")
 
@@ -341,6 +430,20 @@ def parse_args(argv=None):
         help="trainer.tokens_per_micro_batch (0: configs/grpo.py's 64); 160 holds 4 of the task's "
         "37-39 token sequences (pad ~0.05; 64 holds one: pad ~0.41)",
     )
+    p.add_argument(
+        "--rows-per-micro",
+        type=int,
+        default=2,
+        help="trainer.packed_rows_per_micro_batch (-1: configs/grpo.py's 4, sized for its 64-token "
+        "rows); 2 x 160 tokens was the fastest here (2 cores: 1 row 1.07x bare, 2 rows 0.98x, 4 rows "
+        "1.07x, the whole batch 1.22x)",
+    )
+    p.add_argument(
+        "--micro-sweep",
+        default="",
+        help="e.g. 1,2,4,0: only time rljax's update at each trainer.packed_rows_per_micro_batch against "
+        "the bare step (synthetic task-shaped tokens, no servers, variants alternated each round)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed bare / isolated updates")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model (smoke test)")
     p.add_argument("--skip-async", action="store_true", help="leave out the async loop (one server less)")
@@ -355,6 +458,12 @@ def main(argv=None) -> dict:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_model(Path(tmp) / "model", "tiny" if args.tiny else "13m"))
+        if args.micro_sweep:
+            s = {"micro_sweep": micro_sweep(model, args), "loadavg": (load_before, os.getloadavg())}
+            print(f"load average (1/5/15 min) {s['loadavg'][0]} -> {s['loadavg'][1]}")
+            if args.json:
+                Path(args.json).write_text(json.dumps(s, indent=2))
+            return s
         sync_cfg = loop_config(model, args, 0)
         sync_rows = run_loop(sync_cfg, Path(tmp) / "sync")[args.skip :]
         async_rows = []
@@ -367,7 +476,10 @@ def main(argv=None) -> dict:
     s = summarize(sync_rows, async_rows, gen_times[args.skip :], bare, isolated)
     s["model_params"] = params
     s["offline_engine_cpu_s_in_1s_after_generate"] = idle_cpu
-    s["config"] = vars(args) | {"tokens_per_micro_batch": sync_cfg.trainer.tokens_per_micro_batch}
+    s["config"] = vars(args) | {
+        "tokens_per_micro_batch": sync_cfg.trainer.tokens_per_micro_batch,
+        "packed_rows_per_micro_batch": sync_cfg.trainer.packed_rows_per_micro_batch,
+    }
     s["host"] = {
         "cpus": len(os.sched_getaffinity(0)),
         "loadavg_before": load_before,

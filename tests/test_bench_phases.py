@@ -35,3 +35,18 @@ def test_bench_phases_reports_every_phase_against_its_floor(tmp_path):
     assert 0.0 <= s["batch/pad_fraction"] < 1.0 and s["generated_tokens_per_step"] > 0
     assert s["model_params"] > 0 and s["host"]["cpus"] >= 1
     assert set(s["sync_loop_parts_s"]) >= {"rollout", "update", "weight_sync"}
+
+
+def test_micro_sweep_times_each_micro_batch_size_against_the_bare_step(tmp_path):
+    out = tmp_path / "sweep.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    cmd = [sys.executable, "benchmarks/bench_phases.py", "--tiny", "--micro-sweep", "1,0", "--batch", "8"]
+    cmd += ["--max-tokens", "8", "--repeats", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sweep = json.loads(out.read_text())["micro_sweep"]
+    assert set(sweep) == {"bare", "rows_1", "rows_0"}
+    assert sweep["bare"]["ratio"] == pytest.approx(1.0)
+    for row in sweep.values():
+        assert row["seconds"] > 0 and row["ratio"] == pytest.approx(row["seconds"] / sweep["bare"]["seconds"])

@@ -257,6 +257,7 @@ class TrainerConfig:
     # > 0: sequences are packed into rows of this many tokens (rljax.trainer.packing) and a micro-batch is
     # one packed row per data-parallel device; 0: one sequence per row, padded to a length bucket.
     tokens_per_micro_batch: int = 0
+    packed_rows_per_micro_batch: int = 1  # packed rows per device per micro-batch; 0: whole minibatch
     epochs: int = 1  # update passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
     max_nonfinite_skips: int = 3  # consecutive skipped (non-finite) updates before the run stops

@@ -288,6 +288,11 @@ def _validate_packing(cfg: Config, family: Family) -> None:
         raise ConfigError(
             "trainer.tokens_per_micro_batch", f"must be >= 0 (0: no packing), got {tr.tokens_per_micro_batch}"
         )
+    if tr.packed_rows_per_micro_batch < 0:
+        raise ConfigError(
+            "trainer.packed_rows_per_micro_batch",
+            f"must be >= 0 (0: the whole minibatch in one micro-batch), got {tr.packed_rows_per_micro_batch}",
+        )
     if not tr.tokens_per_micro_batch:
         return
     if tr.micro_batch_size:

@@ -41,10 +41,15 @@ def split_micro_batches(tree: Any, num_micro: int, mesh: Mesh) -> Any:
 
 
 def micro_batch_rows(cfg: Config, minibatch_rows: int, data_parallel: int) -> int:
-    """Rows per micro-batch: with packing (`trainer.tokens_per_micro_batch > 0`) one packed row per
-    data-parallel device, else `trainer.micro_batch_size` (0: the whole minibatch of `minibatch_rows`)."""
+    """Rows per micro-batch (packed: at most; `step.num_micro_batches`): with packing
+    (`trainer.tokens_per_micro_batch > 0`) `trainer.packed_rows_per_micro_batch` packed rows per
+    data-parallel device (0: the whole minibatch), else `trainer.micro_batch_size` (0: the whole
+    minibatch of `minibatch_rows`)."""
     if cfg.trainer.tokens_per_micro_batch:
-        return data_parallel
+        rows_per_device = cfg.trainer.packed_rows_per_micro_batch
+        if rows_per_device < 0:
+            raise ValueError(f"trainer.packed_rows_per_micro_batch must be >= 0, got {rows_per_device}")
+        return data_parallel * rows_per_device or minibatch_rows
     return cfg.trainer.micro_batch_size or minibatch_rows
 
 

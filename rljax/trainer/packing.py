@@ -4,8 +4,9 @@ The loop hands the trainer the loss-input contract (`LossInputs`, one sampled se
 the host). With `trainer.tokens_per_micro_batch = N > 0` the trainer repacks it before it goes to the
 devices: whole sequences are placed first-fit-decreasing into rows of exactly N tokens, each with its
 own segment id (1, 2, ... within the row; 0 is padding) and positions restarting at 0, so attention,
-RoPE and every loss reduction stay per sequence. A micro-batch is then one packed row per data-parallel
-device, so the activations of a step are those of N tokens per device, whatever the rollout lengths.
+RoPE and every loss reduction stay per sequence. A micro-batch is then up to
+`trainer.packed_rows_per_micro_batch` packed rows per data-parallel device (default 1: the activations of
+N tokens per device, whatever the rollout lengths; see `trainer.step.num_micro_batches`).
 
 Per-sequence fields (advantages, rewards, group ids, policy versions) become per-token `[R, N]` arrays
 holding their sequence's value (0 on padding); the aggregations and sequence-level ratios reduce over
@@ -13,7 +14,7 @@ segments (`rljax.algos` take `segment_ids`), so a packed batch gives the same lo
 
 Rows are dealt to the data-parallel ranks so each rank holds about the same number of real tokens, and
 their count is rounded up (with empty rows) to a multiple of ranks x minibatches, the layout
-`trainer.accumulate.split_micro_batches` expects: device d's contiguous block holds one row of each
+`trainer.accumulate.split_micro_batches` expects: device d's contiguous block holds its rows of each
 micro-batch.
 
 Host-side numpy only; deterministic (the same batch packs the same way on every process).
