@@ -23,7 +23,7 @@ TOO_LONG = {
     # schema + parsing + validation together: to be split in three (issue 16); grew with the serving
     # dtype, multi-server and placement fields merged in the same stop as this list
     "rljax/config.py": 821,
-    "rljax/weight_sync/syncer.py": 415,
+    "rljax/weight_sync/syncer.py": 413,
     "rljax/weight_sync/vllm_engine.py": 411,  # + the worker's slice assembly (sharded staging, issue 15)
 }
 

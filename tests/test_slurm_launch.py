@@ -1,6 +1,7 @@
 """launch/gpu_slurm.sh on a real single-node Slurm cluster (slurmctld + slurmd on localhost).
 
-One cluster serves the whole module and is torn down by PID at the end, also on failure. The job runs
+One cluster serves the whole test run (`slurm_cluster`, tests/support/slurm_cluster.py) and is torn down by
+PID at the end, also on failure. The job runs
 2 tasks with RLJAX_PLATFORM=cpu, one simulated CPU device each. The self-test entry (launch/selftest.py)
 checks the launch path itself: both ranks join one JAX job, preflight runs on all tasks, a USR1 to the
 batch script makes the job save, requeue and resume. The `rljax.main` tests run the real training loop
@@ -33,14 +34,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "launch", "gpu_slurm.sh")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = SlurmCluster(str(tmp_path_factory.mktemp("slurm")))
-    c.start()
-    try:
-        yield c
-    finally:
-        c.stop()
+@pytest.fixture
+def cluster(slurm_cluster) -> SlurmCluster:
+    return slurm_cluster
 
 
 @pytest.fixture(scope="module")

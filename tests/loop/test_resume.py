@@ -1,6 +1,6 @@
 """Exact resume, end to end: `python -m rljax.main` runs killed with SIGKILL and resumed end bit for bit
 where an uninterrupted run ends (params and optimizer state), with one metrics line per step. Real vLLM (CPU
-build, one server for this module, connected through rollout.vllm.urls), real orbax. Rollouts are
+build, the session's tiny_arith server, connected through rollout.vllm.urls), real orbax. Rollouts are
 reproducible across processes because every request carries its own seed (derived from trainer.seed, the
 step and the prompt index) and each run pushes its own weights into the server first. Sync mode: one run
 killed after step 3 while the save of step 4 is in flight (held open by tests/support/slow_save.py, the
@@ -39,18 +39,10 @@ class Server(typing.NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from vllm_server import TEST_SERVER_OPTIONS
-
-    from rljax.rollout import VLLMServer
-
-    root = tmp_path_factory.mktemp("vllm_resume")
-    server = VLLMServer(MODEL, root, options=TEST_SERVER_OPTIONS).spawn()
-    try:
-        server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
-        yield Server(server.url, str(root / "jax_cache"), str(server.token_file))
-    finally:
-        server.stop()
+def server(arith_server, tmp_path_factory):
+    """The session's tiny_arith server (tests/support/vllm_server.py) and this module's compilation cache."""
+    cache = tmp_path_factory.mktemp("resume_jax_cache")
+    return Server(arith_server.url, str(cache), arith_server.token_file)
 
 
 SUPPORT = pathlib.Path(__file__).resolve().parents[1] / "support"
