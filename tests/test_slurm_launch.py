@@ -198,10 +198,18 @@ def test_grpo_smoke_two_tasks(cluster, tiny_model, tmp_path):
     assert 3 in checkpoint_steps(workdir)
 
 
-def test_grpo_preempted_resumes_from_saved_step(cluster, tiny_model, tmp_path):
+def test_grpo_preempted_resumes_from_saved_step(cluster, arith_server, tmp_path):
+    """Rollouts from the test run's tiny_arith server (`rollout.vllm.urls`), so neither start of the job
+    spends ~30 s starting its own server; test_grpo_smoke_two_tasks covers the job that owns its server."""
     require_training_loop()
     workdir = tmp_path / "run"
-    args = smoke_args(workdir, tiny_model, "--config.trainer.steps=6", "--config.checkpoint.every_steps=100")
+    args = [
+        "--config=configs/grpo.py:smoke",
+        f"--workdir={workdir}",
+        *arith_server.main_args(),
+        "--config.trainer.steps=6",
+        "--config.checkpoint.every_steps=100",
+    ]
     job = submit(cluster, workdir, args, RLJAX_PREFLIGHT="0")
     wait_for(lambda: max(metric_steps(workdir), default=0) >= 1, 180, "the first training step", workdir)
     cluster.run("scancel", "--signal=USR1", "--batch", job)
