@@ -13,11 +13,6 @@ quarantined. A step that does not fit the run's state (a changed model or optimi
 `CheckpointMismatchError`; any other failure (an I/O or permission error) raises `CheckpointError` and
 moves nothing. In a multi-process run every process tries each step, then all agree on the worst outcome
 (`agree`, an allgather) before anyone quarantines or restores, so all resume from the same step.
-
-Test-only hook (fault tests of a save killed in flight): `RLJAX_TEST_SLOW_SAVE_S=<seconds>` makes every async
-save (or only step `RLJAX_TEST_SLOW_SAVE_STEP`, when set) wait that long after its data is written and before
-orbax renames the step into place, so the step stays `<step>.orbax-checkpoint-tmp*` meanwhile. Unset (the
-default) it does nothing; it never changes what is written.
 """
 
 from __future__ import annotations
@@ -95,21 +90,23 @@ def agree_across_processes(outcome: RestoreOutcome) -> RestoreOutcome:
     return agree(np.asarray(gathered).reshape(-1).tolist())
 
 
+def manager_options(*, keep_last: int, keep_every: int, async_save: bool) -> ocp.CheckpointManagerOptions:
+    """A `Checkpointer`'s orbax options: keep the last `keep_last` steps and every `keep_every`-th."""
+    return ocp.CheckpointManagerOptions(
+        max_to_keep=keep_last,
+        keep_period=keep_every or None,
+        enable_async_checkpointing=async_save,
+        create=True,
+        cleanup_tmp_directories=True,
+    )
+
+
 class Checkpointer:
     """One orbax CheckpointManager for a run directory."""
 
     def __init__(self, directory: str, *, keep_last: int = 3, keep_every: int = 0, async_save: bool = True):
         self.directory = os.path.abspath(directory)
-        self._saving_step: int | None = None
-        slow = _slow_save_hook(lambda: self._saving_step) if async_save else None
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep_last,
-            keep_period=keep_every or None,
-            enable_async_checkpointing=async_save,
-            create=True,
-            cleanup_tmp_directories=True,
-            async_options=ocp.AsyncOptions(post_finalization_callback=slow) if slow else None,
-        )
+        options = manager_options(keep_last=keep_last, keep_every=keep_every, async_save=async_save)
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "extra", "config")
         )
@@ -124,8 +121,6 @@ class Checkpointer:
             extra=ocp.args.JsonSave(extra),
             config=ocp.args.JsonSave(config),
         )
-        self._manager.wait_until_finished()  # orbax would too; the slow-save hook reads the step in flight
-        self._saving_step = step
         return self._manager.save(step, args=args, force=force)
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
@@ -233,21 +228,6 @@ class Checkpointer:
 def _describe(error: BaseException) -> str:
     """`Type: first line of the message` (tensorstore appends a long spec to its messages)."""
     return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
-
-
-def _slow_save_hook(saving_step):
-    """The RLJAX_TEST_SLOW_SAVE_S callback (run by orbax before the final rename), or None when unset."""
-    seconds = float(os.environ.get("RLJAX_TEST_SLOW_SAVE_S") or 0)
-    only = os.environ.get("RLJAX_TEST_SLOW_SAVE_STEP")
-    if seconds <= 0:
-        return None
-
-    def hold() -> None:
-        if only is None or int(only) == saving_step():
-            print(f"rljax: test hook: holding save of step {saving_step()} for {seconds} s", file=sys.stderr)
-            time.sleep(seconds)
-
-    return hold
 
 
 def abstract_like(tree: Any) -> Any:

@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 # Shared test helpers (servers, clusters, worker scripts) live in tests/support/, importable by name.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
-pytest_plugins = ["vllm_server"]  # session-scoped vLLM servers shared by the rollout and sync tests
+# Session-scoped fixtures: vLLM servers shared by the rollout, sync and end-to-end tests; one Slurm cluster.
+pytest_plugins = ["vllm_server", "slurm_cluster"]
 
 
 def _has_gpu() -> bool:

@@ -147,9 +147,10 @@ def test_saved_batch_round_trips_bit_for_bit(tmp_path):
 
 
 def test_slow_save_hook_keeps_the_step_unlisted_until_renamed(tmp_path, monkeypatch):
-    """RLJAX_TEST_SLOW_SAVE_S holds only the chosen step between its data write and its rename."""
-    monkeypatch.setenv("RLJAX_TEST_SLOW_SAVE_S", "3")
-    monkeypatch.setenv("RLJAX_TEST_SLOW_SAVE_STEP", "2")
+    """tests/support/slow_save.py holds only the chosen step between its data write and its rename."""
+    import slow_save
+
+    slow_save.install(3.0, 2, monkeypatch)
     ck = Checkpointer(str(tmp_path), async_save=True)
     ck.save(1, make_state(1), {"k": 1}, {})
     ck.wait()

@@ -20,7 +20,7 @@ MAX_LINES = 400
 
 # module -> its line count today. Split before adding to it; do not raise a number.
 TOO_LONG = {
-    "rljax/weight_sync/syncer.py": 415,
+    "rljax/weight_sync/syncer.py": 413,
     "rljax/weight_sync/vllm_engine.py": 411,  # + the worker's slice assembly (sharded staging, issue 15)
 }
 

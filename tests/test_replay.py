@@ -17,7 +17,6 @@ from rljax import replay
 from rljax.checkpoint import Checkpointer, batch_path, load_batch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-MODEL = str(REPO / "assets" / "tiny_arith")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
@@ -34,40 +33,27 @@ def env(workdir):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A 2-step GRPO run with a checkpoint and a saved batch at every step."""
-    from vllm_server import TEST_SERVER_OPTIONS
-
-    from rljax.rollout import VLLMServer
-
+def run_dir(arith_server, tmp_path_factory):
+    """A 2-step GRPO run with a checkpoint and a saved batch at every step (on the session's vLLM server)."""
     root = tmp_path_factory.mktemp("replay")
-    server = VLLMServer(MODEL, root / "vllm", options=TEST_SERVER_OPTIONS).spawn()
-    try:
-        server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
-        cmd = [
-            sys.executable,
-            "-m",
-            "rljax.main",
-            "--config=configs/grpo.py",
-            f"--workdir={root / 'run'}",
-            f"--config.model.path={MODEL}",
-            f"--config.rollout.vllm.urls=('{server.url}',)",
-            f"--config.rollout.vllm.token_file={server.token_file}",
-            "--config.trainer.steps=2",
-            "--config.trainer.eval_every=0",
-            "--config.rollout.batch_size=16",
-            "--config.rollout.group_size=4",
-            "--config.checkpoint.every_steps=1",
-            "--config.checkpoint.save_batches=true",
-            "--config.metrics.tensorboard=false",
-            "--config.metrics.console=false",
-        ]
-        proc = subprocess.run(
-            cmd, cwd=REPO, env=env(root / "run"), capture_output=True, text=True, timeout=600
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    finally:
-        server.stop()
+    cmd = [
+        sys.executable,
+        "-m",
+        "rljax.main",
+        "--config=configs/grpo.py",
+        f"--workdir={root / 'run'}",
+        *arith_server.main_args(),
+        "--config.trainer.steps=2",
+        "--config.trainer.eval_every=0",
+        "--config.rollout.batch_size=16",
+        "--config.rollout.group_size=4",
+        "--config.checkpoint.every_steps=1",
+        "--config.checkpoint.save_batches=true",
+        "--config.metrics.tensorboard=false",
+        "--config.metrics.console=false",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(root / "run"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     return root / "run"
 
 

@@ -1,6 +1,7 @@
 """launch/gpu_slurm.sh on a real single-node Slurm cluster (slurmctld + slurmd on localhost).
 
-One cluster serves the whole module and is torn down by PID at the end, also on failure. The job runs
+One cluster serves the whole test run (`slurm_cluster`, tests/support/slurm_cluster.py) and is torn down by
+PID at the end, also on failure. The job runs
 2 tasks with RLJAX_PLATFORM=cpu, one simulated CPU device each. The self-test entry (launch/selftest.py)
 checks the launch path itself: both ranks join one JAX job, preflight runs on all tasks, a USR1 to the
 batch script makes the job save, requeue and resume. The `rljax.main` tests run the real training loop
@@ -33,14 +34,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "launch", "gpu_slurm.sh")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = SlurmCluster(str(tmp_path_factory.mktemp("slurm")))
-    c.start()
-    try:
-        yield c
-    finally:
-        c.stop()
+@pytest.fixture
+def cluster(slurm_cluster) -> SlurmCluster:
+    return slurm_cluster
 
 
 @pytest.fixture(scope="module")
@@ -202,10 +198,18 @@ def test_grpo_smoke_two_tasks(cluster, tiny_model, tmp_path):
     assert 3 in checkpoint_steps(workdir)
 
 
-def test_grpo_preempted_resumes_from_saved_step(cluster, tiny_model, tmp_path):
+def test_grpo_preempted_resumes_from_saved_step(cluster, arith_server, tmp_path):
+    """Rollouts from the test run's tiny_arith server (`rollout.vllm.urls`), so neither start of the job
+    spends ~30 s starting its own server; test_grpo_smoke_two_tasks covers the job that owns its server."""
     require_training_loop()
     workdir = tmp_path / "run"
-    args = smoke_args(workdir, tiny_model, "--config.trainer.steps=6", "--config.checkpoint.every_steps=100")
+    args = [
+        "--config=configs/grpo.py:smoke",
+        f"--workdir={workdir}",
+        *arith_server.main_args(),
+        "--config.trainer.steps=6",
+        "--config.checkpoint.every_steps=100",
+    ]
     job = submit(cluster, workdir, args, RLJAX_PREFLIGHT="0")
     wait_for(lambda: max(metric_steps(workdir), default=0) >= 1, 180, "the first training step", workdir)
     cluster.run("scancel", "--signal=USR1", "--batch", job)

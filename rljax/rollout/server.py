@@ -14,7 +14,7 @@ process in its own process group, with:
 - float32 weights, eager mode, its log in `<workdir>/vllm_server.log` (appended across restarts).
 
 `stop()` sends SIGTERM to the group and SIGKILL after a grace period; `restart()` keeps host, port and token.
-The child gets SIGTERM when the process that started it dies, even by SIGKILL (`_die_with_parent`).
+The child gets SIGTERM when the process that started it dies, even by SIGKILL (`child_exec.py` execs it).
 """
 
 from __future__ import annotations
@@ -96,25 +96,7 @@ def options_from_config(cfg: Config, **overrides) -> ServerOptions:
     return dataclasses.replace(options, **overrides)
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the process that started the server dies, even by SIGKILL, so a crashed
-    trainer never leaves an orphaned server holding memory (Linux prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-    import signal
-
-    # The trainer's preemption signal (SIGUSR1, which Slurm may deliver to every process of the step) is
-    # for the trainer: the server must keep serving until the trainer has saved and stops it.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    # A trainer pinned to its own cores (`placement.pin_process`) must not pass that mask to a server it
-    # restarts: vLLM places its threads within the cores it is allowed.
-    try:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except OSError:
-        pass
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
-    except OSError:  # not Linux: fall back to the explicit stop() paths
-        pass
+_CHILD_EXEC = Path(__file__).with_name("child_exec.py")  # no preexec_fn: see its docstring
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -240,12 +222,11 @@ class VLLMServer:
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== rljax: starting {' '.join(auth.redact_argv(cmd))}\n".encode())
             self._proc = subprocess.Popen(
-                cmd,
+                [sys.executable, "-I", str(_CHILD_EXEC), str(os.getpid()), *cmd],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
         return self
 

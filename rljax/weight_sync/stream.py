@@ -105,8 +105,6 @@ def recv_header(sock: socket.socket, what: str, max_size: int = MAX_HEADER) -> d
 class BucketServer:
     """Serves staged bucket files (by index) to workers that present `token` (see the module docstring).
 
-    `fault` (tests only): `("close", n)` closes each connection after `n` payload bytes, as a trainer
-    that dies mid-stream would; `("stall", n)` stops sending after `n` bytes but keeps the socket open.
     `refused` counts connections dropped before authenticating.
     """
 
@@ -121,7 +119,6 @@ class BucketServer:
         self.token = secrets.token_hex(TOKEN_BYTES)
         self._key = bytes.fromhex(self.token)
         self.timeout_s, self.max_connections = timeout_s, max_connections
-        self.fault: tuple[str, int] | None = None
         self.refused = 0
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -261,13 +258,6 @@ class BucketServer:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             send_frame(conn, {"bucket": index, "nbytes": size})
-            if self.fault is not None:
-                kind, n = self.fault
-                conn.sendall(f.read(min(size, n)))
-                if kind == "stall":
-                    self._stop.wait()
-                conn.shutdown(socket.SHUT_RDWR)
-                return False
             if size:
                 conn.sendfile(f, 0, size)
         return True

@@ -104,7 +104,6 @@ class WeightSyncer:
         self._initialized: dict[str, dict] = {}
         sweep_stale_run_dirs(options.staging_dir)  # leftovers of SIGKILLed trainers would pin RAM in /dev/shm
         self._run_dir: RunDir | None = None  # this trainer's private bucket directory, made at the first sync
-        self.tcp_fault: tuple[str, int] | None = None  # tests only: see `stream.BucketServer.fault`
 
     def _post(
         self,
@@ -264,7 +263,6 @@ class WeightSyncer:
         if self.options.transport != "tcp":
             return self._push_via(buckets, version, None)
         server = stream.BucketServer(self.options.tcp_host, timeout_s=self.options.tcp_timeout_s)
-        server.fault = self.tcp_fault
         try:
             return self._push_via(buckets, version, server)
         finally:

@@ -1,17 +1,16 @@
 """Exact resume, end to end: `python -m rljax.main` runs killed with SIGKILL and resumed end bit for bit
-where an uninterrupted run ends (params and optimizer state), with one metrics line per step.
-
-Real vLLM (CPU build, one server for this module, connected through rollout.vllm.urls), real orbax.
-Rollouts are reproducible across processes because every request carries its own seed (derived from
-trainer.seed, the step and the prompt index) and each run pushes its own weights into the server first.
-Sync mode: one run killed after step 3 while the save of step 4 is in flight (held open by the
-RLJAX_TEST_SLOW_SAVE_S hook) with metrics written past the last complete checkpoint (3), resumed from 3,
-killed again right after checkpoint 5 is complete, resumed again. Async mode (max_staleness=1): killed
-after step 4 with checkpoints every 3 steps; the buffered, already generated batch comes back from the
-checkpoint. The runs share a JAX compilation cache (it only saves compile time: same program, same bits).
-Async caveat: which policy version generates each batch depends on the producer thread reaching the
-rollout gate before the trainer's next weight sync (always so here: generation starts well inside the
-update); the test checks the tags it relies on.
+where an uninterrupted run ends (params and optimizer state), with one metrics line per step. Real vLLM (CPU
+build, the session's tiny_arith server, connected through rollout.vllm.urls), real orbax. Rollouts are
+reproducible across processes because every request carries its own seed (derived from trainer.seed, the
+step and the prompt index) and each run pushes its own weights into the server first. Sync mode: one run
+killed after step 3 while the save of step 4 is in flight (held open by tests/support/slow_save.py, the
+run's entry script) with metrics written past the last complete checkpoint (3), resumed from 3, killed again
+right after checkpoint 5 is complete, resumed again. Async mode (max_staleness=1): killed after step 4 with
+checkpoints every 3 steps; the buffered, already generated batch comes back from the checkpoint. The runs
+share a JAX compilation cache (it only saves compile time: same program, same bits). Async caveat: which
+policy version generates each batch depends on the producer thread reaching the rollout gate before the
+trainer's next weight sync (always so here: generation starts well inside the update); the test checks the
+tags it relies on.
 """
 
 import json
@@ -40,25 +39,23 @@ class Server(typing.NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from vllm_server import TEST_SERVER_OPTIONS
-
-    from rljax.rollout import VLLMServer
-
-    root = tmp_path_factory.mktemp("vllm_resume")
-    server = VLLMServer(MODEL, root, options=TEST_SERVER_OPTIONS).spawn()
-    try:
-        server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
-        yield Server(server.url, str(root / "jax_cache"), str(server.token_file))
-    finally:
-        server.stop()
+def server(arith_server, tmp_path_factory):
+    """The session's tiny_arith server (tests/support/vllm_server.py) and this module's compilation cache."""
+    cache = tmp_path_factory.mktemp("resume_jax_cache")
+    return Server(arith_server.url, str(cache), arith_server.token_file)
 
 
-def command(workdir, server, *overrides):
+SUPPORT = pathlib.Path(__file__).resolve().parents[1] / "support"
+
+
+def command(workdir, server, *overrides, slow_save: tuple[float, int] | None = None):
+    """`python -m rljax.main ...`, or through tests/support/slow_save.py holding the save of one step."""
+    entry = (
+        ["-m", "rljax.main"] if slow_save is None else [str(SUPPORT / "slow_save.py"), *map(str, slow_save)]
+    )
     return [
         sys.executable,
-        "-m",
-        "rljax.main",
+        *entry,
         "--config=configs/grpo.py",
         f"--workdir={workdir}",
         f"--config.model.path={MODEL}",
@@ -75,17 +72,14 @@ def command(workdir, server, *overrides):
     ]
 
 
-def env(server, **extra):
-    e = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+def env(server):
+    e = dict(os.environ, JAX_PLATFORMS="cpu")
     e |= {
         "JAX_COMPILATION_CACHE_DIR": server.jax_cache,
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
     e.pop("XLA_FLAGS", None)  # one CPU device, in every run alike
-    for k in ("RLJAX_TEST_SLOW_SAVE_S", "RLJAX_TEST_SLOW_SAVE_STEP"):
-        if k not in extra:
-            e.pop(k, None)
     return e
 
 
@@ -120,14 +114,14 @@ def metrics_steps(workdir) -> list[int]:
     return [m["step"] for m in metrics_lines(workdir)]
 
 
-def kill_when(workdir, server, ready, *overrides, **env_extra) -> tuple[list[int], str]:
+def kill_when(workdir, server, ready, *overrides, slow_save=None) -> tuple[list[int], str]:
     """Starts a run, SIGKILLs it once `ready(workdir)` holds; returns (metrics steps written, its stdout)."""
     log = pathlib.Path(f"{workdir}.{time.monotonic_ns()}.log")
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            command(workdir, server, *overrides),
+            command(workdir, server, *overrides, slow_save=slow_save),
             cwd=REPO,
-            env=env(server, **env_extra),
+            env=env(server),
             stdout=out,
             stderr=out,
         )
@@ -193,8 +187,7 @@ def test_sync_killed_twice_resumes_bitwise(server, straight_sync, tmp_path):
         server,
         lambda w: in_flight(w, 4) and 4 in metrics_steps(w),
         EVERY_STEP,
-        RLJAX_TEST_SLOW_SAVE_S="600",
-        RLJAX_TEST_SLOW_SAVE_STEP="4",
+        slow_save=(600.0, 4),
     )
     assert finished_steps(workdir) == [1, 2, 3], "the half-written step 4 must not be listed"
     assert written[:4] == [1, 2, 3, 4]  # metrics past the newest complete checkpoint exist

@@ -86,8 +86,8 @@ def test_parameter_table_lists_shapes_sizes_and_shardings(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def chat_run(tmp_path_factory):
-    """4 steps of the smoke job on conversations, tracing steps 3 and 4."""
+def chat_run(arith_server, tmp_path_factory):
+    """4 steps of the smoke job on conversations, tracing steps 3 and 4 (on the session's vLLM server)."""
     root = tmp_path_factory.mktemp("profile_run")
     data = root / "chat.jsonl"
     rows = [
@@ -115,7 +115,7 @@ def chat_run(tmp_path_factory):
         "--config.data.chat_template=true",
         "--config.data.system_prompt=You add numbers.",
         "--config.reward.functions=('chat_rewards:rendered_as_chat',)",
-        "--config.rollout.vllm.gpu_memory_utilization=0.08",
+        *arith_server.main_args(),
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -4,6 +4,9 @@
 (kept by PID, stopped by PID), and waits until the node is idle. Client commands (`sbatch`, `squeue`,
 `scontrol`, `scancel`) find the cluster through `SLURM_CONF`, which `env()` sets. The recipe is the one in
 shared/notes/PLATFORM.md: no systemd, no munge (auth/none), no accounting.
+
+`slurm_cluster` (a session fixture; conftest loads this module as a plugin) is the one cluster of a test run:
+started by the first test that asks for it, stopped by PID at the end of the session, also on failure.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import signal
 import socket
 import subprocess
 import time
+
+import pytest
 
 CONF_TEMPLATE = """\
 ClusterName=rljaxtest
@@ -169,3 +174,14 @@ class SlurmCluster:
                 return state
             time.sleep(1.0)
         raise TimeoutError(f"job {job_id} still {state!r} after {timeout_s}s")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """The test run's single-node Slurm cluster (started once, ~5-10 s; jobs of all tests share it)."""
+    cluster = SlurmCluster(str(tmp_path_factory.mktemp("slurm")))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

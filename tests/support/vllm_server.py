@@ -4,11 +4,17 @@ One server per tiny model family for the whole test run (vLLM start-up costs ~25
 wrapped in a `Served`: the `VLLMEngine` plus a transformers float32 reference holding the weights the
 server currently serves. Tests that push weights go through `Served.push`, so the two never drift; a
 test that kills the server leaves it to `served_*` to restart it for the next test.
+
+`arith_server`: one server of the default job's model (assets/tiny_arith) for the end-to-end tests that run
+`python -m rljax.main` against a server they do not own (`rollout.vllm.urls` + `rollout.vllm.token_file`:
+every run pushes its own weights first, so runs do not see each other's). It starts with the first test
+that asks for it and stops after the last one (`pytest_runtest_teardown`), not at the end of the session.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import numpy as np
 import pytest
@@ -154,6 +160,52 @@ def served_llama(_llama_session) -> Served:
     """The shared tiny-Llama (untied) server, alive and serving `ref`'s weights."""
     _llama_session.ensure_servable()
     return _llama_session
+
+
+ARITH_MODEL = str(pathlib.Path(__file__).resolve().parents[2] / "assets" / "tiny_arith")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithServer:
+    url: str
+    token_file: str  # the server's bearer token (rollout.vllm.token_file)
+    model: str = ARITH_MODEL
+
+    def main_args(self) -> list[str]:
+        """The `rljax.main` overrides that point a run at this server."""
+        return [
+            f"--config.model.path={self.model}",
+            f"--config.rollout.vllm.urls=('{self.url}',)",
+            f"--config.rollout.vllm.token_file={self.token_file}",
+        ]
+
+
+_ARITH: dict = {}  # the running arith server, for the early stop below
+
+
+@pytest.fixture(scope="session")
+def arith_server(tmp_path_factory):
+    """The test run's tiny_arith server (TEST_SERVER_OPTIONS), shared by the end-to-end tests."""
+    from rljax.rollout import VLLMServer
+
+    server = VLLMServer(ARITH_MODEL, tmp_path_factory.mktemp("vllm_arith"), options=TEST_SERVER_OPTIONS)
+    _ARITH["server"] = server.spawn()
+    try:
+        server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
+        yield ArithServer(server.url, str(server.token_file))
+    finally:
+        server.stop()
+        _ARITH.clear()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stops the arith server after the last collected test that uses it (its memory goes back early)."""
+    if "server" not in _ARITH or "arith_server" not in getattr(item, "fixturenames", ()):
+        return
+    items = item.session.items
+    later = items[items.index(item) + 1 :] if item in items else []
+    if not any("arith_server" in getattr(i, "fixturenames", ()) for i in later):
+        _ARITH["server"].stop()
 
 
 # vLLM's CPU kernels and transformers accumulate float32 in different orders: ~5e-6 measured.

@@ -153,16 +153,18 @@ def test_stream_caps_authenticated_connections(tmp_path):
         third.close()
 
 
-def test_stream_dead_or_stalled_peer_gives_clear_errors(tmp_path):
+def test_stream_dead_or_stalled_peer_gives_clear_errors(tmp_path, monkeypatch):
+    import stream_faults
+
     bucket, data = _bucket(tmp_path)
     with stream.BucketServer(timeout_s=5) as server:
         server.add(bucket.index, bucket.path)
-        server.fault = ("close", 1000)
+        stream_faults.install(monkeypatch, "close", 1000)
         client = stream.BucketClient(server.address(5.0))
         with pytest.raises(stream.StreamError, match=f"closed by the peer after 1000 of {len(data)} bytes"):
             client.fetch(bucket.index, len(data), _alloc())
         client.close()
-        server.fault = ("stall", 1000)
+        stream_faults.install(monkeypatch, "stall", 1000)
         client = stream.BucketClient(server.address(0.5))
         pattern = r"no data from the trainer for 0\.5 s while receiving bucket 0 "
         with pytest.raises(TimeoutError, match=pattern):
@@ -205,16 +207,16 @@ def test_tcp_pushes_match_transformers(served_llama):
 @pytest.mark.parametrize(
     "fault, pattern", [("close", "closed by the peer after 4096 of"), ("stall", "no data from the trainer")]
 )
-def test_tcp_trainer_stream_dies_mid_bucket_fails_fast_then_repush(served_llama, fault, pattern):
+def test_tcp_trainer_stream_dies_mid_bucket_fails_fast_then_repush(served_llama, fault, pattern, monkeypatch):
+    import stream_faults
+
     engine, version = served_llama.engine, served_llama.engine.version
     state = perturbed(served_llama.ref.state(), seed=600)
-    engine.syncer.tcp_fault = (fault, 4096)
     t = time.monotonic()
-    try:
+    with monkeypatch.context() as patch:
+        stream_faults.install(patch, fault, 4096)
         with pytest.raises(WeightSyncError, match=pattern) as err:
             served_llama.push(state, version + 1, transport="tcp", tcp_timeout_s=2.0)
-    finally:
-        engine.syncer.tcp_fault = None
     assert time.monotonic() - t < 30, "a dead stream must fail within the timeouts, not hang"
     assert "update_weights" in str(err.value) and "bucket 0" in str(err.value)
     assert engine.gate.broken  # mixed weights possible: generation refuses until a full push
