@@ -1,7 +1,8 @@
 """No production module reads a test-only environment variable: faults and slow-downs are wired in by the
 tests (monkeypatch in-process, an entry script in tests/support/ for subprocess runs).
 
-A test-only name is an environment-variable-shaped string (`UPPER_SNAKE`) containing TEST or FAULT. The
+A test-only name is an environment-variable-shaped string (`UPPER_SNAKE`) with a word starting with TEST or
+FAULT (`RLJAX_TEST_X`, `MY_FAULTS`; not `DEFAULTS`). The
 scan flags (1) such a name used anywhere in rljax/ as a string literal (a constant later passed to
 `os.environ.get` is caught where it is defined), and (2) any `os.environ[...]`, `os.environ.get(...)`,
 `os.getenv(...)` or `... in os.environ` whose name is such a literal. ALLOWED only shrinks.
@@ -12,7 +13,8 @@ import pathlib
 import re
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TEST_ONLY = re.compile(r"^[A-Z][A-Z0-9_]*(TEST|FAULT)[A-Z0-9_]*$")
+# a word of the name (between underscores) starts with TEST or FAULT: RLJAX_TEST_X, MY_FAULTS; not DEFAULTS
+TEST_ONLY = re.compile(r"^(?:[A-Z0-9]+_)*(?:TEST|FAULT)[A-Z0-9]*(?:_[A-Z0-9]+)*$")
 # (module, name): known offenders being removed. Never add to this; delete an entry once it is gone.
 ALLOWED = {("rljax/loop/recovery.py", "RLJAX_FAULTS")}
 
@@ -75,7 +77,7 @@ def test_the_scan_finds_planted_reads():
         'C = getenv("X_TESTING")\n'
         'D = "RLJAX_FAULTS" in environ\n'
         'NAME = "SOME_FAULT_PLAN"\n'
-        'OK = os.environ.get("RLJAX_STAGING_DIR"), "not a TEST name", os.environ.get("HOME")\n'
+        'OK = os.environ.get("RLJAX_STAGING_DIR"), "not a TEST name", os.environ.get("HOME"), "DEFAULTS"\n'
     )
     names = [(line, name) for _, line, name in find_test_seams(planted, "m.py")]
     assert names == [
