@@ -24,7 +24,6 @@ TOO_LONG = {
     # dtype, multi-server and placement fields merged in the same stop as this list
     "rljax/config.py": 821,
     "rljax/weight_sync/syncer.py": 415,
-    "rljax/weight_sync/vllm_engine.py": 411,  # + the worker's slice assembly (sharded staging, issue 15)
 }
 
 # module -> name switches in it today (see the module doc). Replace each by a registry lookup at build time.
@@ -36,7 +35,6 @@ NAME_SWITCHES = {
     "rljax/replay.py": 1,  # algo.family == "ppo" -> make_ppo_update
     "rljax/trainer/optim.py": 3,  # optimizer and schedule if/elif
     "rljax/trainer/state.py": 1,  # algo.family == "ppo" -> a critic
-    "rljax/weight_sync/syncer.py": 1,  # options.transport != "tcp"
 }
 SENTINELS = {"auto"}
 
