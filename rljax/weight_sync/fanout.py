@@ -62,7 +62,10 @@ class NodeDir:
             if found is not False:
                 return found, expected
             fd = _claim(self.path, part)
-            if fd is not None:
+            if fd is not None and os.path.exists(final):  # finished between the check and the claim
+                _unlink(part)
+                os.close(fd)
+            elif fd is not None:
                 return self._receive(fd, part, final, expected, download), expected
             _wait_released(part)
 
