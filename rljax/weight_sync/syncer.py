@@ -269,7 +269,7 @@ class WeightSyncer:
     def _push_via(self, buckets: Iterable[Bucket], version: int, server) -> tuple[float, float, int]:
         o = self.options
         # Pipelined shm: the worker copies each bucket out so its file can go at once. Streamed buckets
-        # land in the worker's own buffers, and pre-staged files live until the sync ends.
+        # land in the node's own receive files, and pre-staged files live until the sync ends.
         copy = not o.prestage and server is None
 
         def info(bucket: Bucket) -> dict:
