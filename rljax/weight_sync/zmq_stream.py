@@ -253,7 +253,7 @@ class ZmqBucketClient:
     def fetch(self, index: int, expected: int, allocate) -> tuple[object, int]:
         """Pulls bucket `index`, which must be `expected` bytes long (from its tensor list), in chunks;
         `allocate(nbytes)` returns a writable buffer, called once the announced size matched.
-        Returns `(buffer, nbytes)`."""
+        Returns `(buffer, nbytes)`. After an error, replies may still be queued: close the client."""
         what = f"bucket {index} from {self.endpoint}"
         offsets = list(range(0, expected, CHUNK_BYTES)) or [0]
         asked, got, view, buf = 0, 0, None, None
