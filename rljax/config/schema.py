@@ -104,14 +104,14 @@ class VLLMConfig:
     idle_spin_s: float = 0.002
 
 
-TRANSPORTS = ("shm", "tcp")  # weight-sync transports (rljax.weight_sync.SyncOptions checks the same)
+TRANSPORTS = ("shm", "tcp", "zmq")  # weight-sync transports (equal to rljax.weight_sync.transports: a test)
 
 
 @dataclass(frozen=True)
 class WeightSyncConfig:
-    transport: str = _choice("shm", *TRANSPORTS)  # shm: servers on this host; tcp: streamed over a socket
-    tcp_host: str = "127.0.0.1"  # tcp: this trainer's address as the servers reach it (bound while syncing)
-    tcp_timeout_s: float = 30.0  # tcp: connect and per-receive timeout (a dead peer fails within it)
+    transport: str = _choice("shm", *TRANSPORTS)  # shm: this host; tcp/zmq: streamed (weight_sync.transports)
+    tcp_host: str = "127.0.0.1"  # tcp/zmq: this trainer's address as the servers reach it (bound to sync)
+    tcp_timeout_s: float = 30.0  # tcp/zmq: connect and per-receive timeout (a dead peer fails within it)
     bucket_mb: int = 64
     # The dtype vLLM serves in and the weights are cast to (on device) before staging: "" or "auto" = the
     # master dtype (model.param_dtype); bfloat16 halves the bytes moved and serves like bf16-compute presets.

@@ -2,8 +2,8 @@
 
 For a trainer and a server on different hosts. The trainer stages buckets exactly as for "shm" (files in
 its own run directory) and serves them with a `BucketServer` listening on `host:port`; each
-`/update_weights` call tells the worker where to connect (`{"host", "port", "token", "timeout_s"}`),
-and the worker asks for its buckets one by one.
+`/update_weights` call tells the worker where to connect (its `source`: `{"transport": "tcp", "id",
+"host", "port", "token", "timeout_s"}`, see `transports`), and the worker asks for its buckets one by one.
 
 Connection: the worker first sends a fixed 36-byte pre-auth header, `b"RLWA"` + the 32-byte per-sync token
 (`token` is its hex form), compared with `hmac.compare_digest` before the server parses anything. Until
@@ -117,6 +117,8 @@ class BucketServer:
         max_connections: int = MAX_CONNECTIONS,
     ):
         self.token = secrets.token_hex(TOKEN_BYTES)
+        self.id = secrets.token_hex(8)  # names this sync's receive directory on each node (`fanout`)
+        self.bytes_sent = 0  # payload bytes sent in full buckets (all connections)
         self._key = bytes.fromhex(self.token)
         self.timeout_s, self.max_connections = timeout_s, max_connections
         self.refused = 0
@@ -151,17 +153,25 @@ class BucketServer:
             self._sent.wait_for(lambda: self._sent_count >= count or self._failed, timeout_s)
             return self._sent_count >= count
 
-    def _note(self, sent: bool) -> None:
+    def _note(self, sent: bool, nbytes: int = 0) -> None:
         with self._sent:
             if sent:
                 self._sent_count += 1
+                self.bytes_sent += nbytes
             else:
                 self._failed = True
             self._sent.notify_all()
 
     def address(self, timeout_s: float) -> dict:
-        """The `tcp` part of an update_info: where and how the worker fetches its buckets."""
-        return {"host": self.host, "port": self.port, "token": self.token, "timeout_s": float(timeout_s)}
+        """The `source` of an update_info: where and how the worker fetches its buckets."""
+        return {
+            "transport": "tcp",
+            "id": self.id,
+            "host": self.host,
+            "port": self.port,
+            "token": self.token,
+            "timeout_s": float(timeout_s),
+        }
 
     def _serve(self) -> None:
         try:
@@ -248,19 +258,21 @@ class BucketServer:
                 if path is None:
                     send_frame(conn, {"error": f"unknown bucket {str(index)[:40]}"})
                     return self._note(False)
-                if not self._send_file(conn, index, path):
+                size = self._send_file(conn, index, path)
+                if size is None:
                     return self._note(False)
-                self._note(True)
+                self._note(True, size)
         except OSError:
             return self._note(False)  # the worker died or timed out; it reports its own error
 
-    def _send_file(self, conn: socket.socket, index: int, path: str) -> bool:
+    def _send_file(self, conn: socket.socket, index: int, path: str) -> int | None:
+        """Sends one bucket; its size, or None if it was cut short (`fault`)."""
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             send_frame(conn, {"bucket": index, "nbytes": size})
             if size:
                 conn.sendfile(f, 0, size)
-        return True
+        return size
 
     def close(self) -> None:
         self._stop.set()

@@ -10,10 +10,11 @@ One `WeightSyncer.sync(tensors, version, trainer_logprobs)` call:
    cache), `/start_weight_update`, `/update_weights` (one call for all pre-staged buckets, else one per
    bucket), `/finish_weight_update` with the version, `/resume`, on every replica in turn.
 
-Transport (`SyncOptions.transport`): "shm", the worker maps the bucket files (trainer and server on one
-host, `staging_dir` in /dev/shm); "tcp", the trainer serves the same files from a `stream.BucketServer`
-on `tcp_host` (an address of the trainer that the servers can reach) and each worker fetches them over a
-socket (servers on other hosts); `tcp_timeout_s` bounds connect and every receive on both ends.
+Transport (`SyncOptions.transport`, resolved in `transports.TRANSPORTS`): "shm", the worker maps the
+bucket files (trainer and server on one host, `staging_dir` in /dev/shm); "tcp" or "zmq", the trainer
+serves the same files from a bucket server on `tcp_host` (an address of the trainer that the servers can
+reach) and one worker per node pulls each of them (`fanout`; servers on other hosts); `tcp_timeout_s`
+bounds connect and every receive on both ends.
 3. the canary (`rljax.weight_sync.canary`) on every replica, then the gate's version becomes `version`.
 
 Any failure raises `WeightSyncError` (within the HTTP timeouts; a dead server fails at once). If the
@@ -32,14 +33,15 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from urllib.parse import urlsplit
 
 import numpy as np
 import requests
 
-from rljax.config import DEFAULTS, TRANSPORTS
+from rljax.config import DEFAULTS
 from rljax.config import canary_tolerance as config_canary_tolerance
 from rljax.weight_sync import canary as canary_lib
-from rljax.weight_sync import stream
+from rljax.weight_sync import transports
 from rljax.weight_sync.gate import PolicyGate
 from rljax.weight_sync.staging import (
     DEFAULT_STAGING_DIR,
@@ -68,16 +70,13 @@ class SyncOptions:
     update_timeout_s: float = 120.0  # one bucket
     clear_prefix_cache: bool = True  # False only to show that the canary catches a stale cache
     repack_tied_lm_head: bool = True  # False only to show that the canary catches vLLM's tied-head bug
-    transport: str = DEFAULTS.rollout.weight_sync.transport  # "shm" (same host) | "tcp" (a socket)
-    tcp_host: str = DEFAULTS.rollout.weight_sync.tcp_host  # tcp: the trainer address the servers reach
-    tcp_timeout_s: float = DEFAULTS.rollout.weight_sync.tcp_timeout_s  # tcp: connect and each receive
+    transport: str = DEFAULTS.rollout.weight_sync.transport  # a name in `transports.TRANSPORTS`
+    tcp_host: str = DEFAULTS.rollout.weight_sync.tcp_host  # tcp/zmq: the trainer address the servers reach
+    tcp_timeout_s: float = DEFAULTS.rollout.weight_sync.tcp_timeout_s  # tcp/zmq: connect and each receive
     direct_load: bool = True  # False: every layer through vLLM's layerwise reload (vLLM's own path)
 
     def __post_init__(self):
-        if self.transport not in TRANSPORTS:
-            raise ValueError(
-                f"weight sync: transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
-            )
+        transports.get(self.transport)  # ValueError naming the valid ones
         for name in ("bucket_bytes", "control_timeout_s", "update_timeout_s", "tcp_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"weight sync: {name} must be > 0, got {getattr(self, name)!r}")
@@ -260,27 +259,25 @@ class WeightSyncer:
         """Pause, load every bucket into every server, finish, resume. Returns (pause s, engine s, bytes)."""
         for url in self.urls:
             self._init(url)
-        if self.options.transport != "tcp":
+        server = transports.serve(self.options.transport, self.options.tcp_host, self.options.tcp_timeout_s)
+        if server is None:  # shm: the workers map the files
             return self._push_via(buckets, version, None)
-        server = stream.BucketServer(self.options.tcp_host, timeout_s=self.options.tcp_timeout_s)
         try:
             return self._push_via(buckets, version, server)
         finally:
             server.close()
 
-    def _push_via(
-        self, buckets: Iterable[Bucket], version: int, server: stream.BucketServer | None
-    ) -> tuple[float, float, int]:
+    def _push_via(self, buckets: Iterable[Bucket], version: int, server) -> tuple[float, float, int]:
         o = self.options
         # Pipelined shm: the worker copies each bucket out so its file can go at once. Streamed buckets
-        # land in the worker's own buffers, and pre-staged files live until the sync ends.
+        # land in the node's own receive files, and pre-staged files live until the sync ends.
         copy = not o.prestage and server is None
 
         def info(bucket: Bucket) -> dict:
             d = bucket.update_info(copy=copy)
             if server is not None:
                 server.add(bucket.index, bucket.path)
-                d["tcp"] = server.address(o.tcp_timeout_s)
+                d["source"] = server.address(o.tcp_timeout_s)
             return d
 
         batches: Iterable[list[Bucket]] = (
@@ -291,7 +288,8 @@ class WeightSyncer:
         if prefetch:
             self._prefetch([info(b) for b in buckets])
             # pause once the bytes are out (or a stream failed: the load call reports it)
-            server.wait_sent(len(buckets) * len(self.urls), o.tcp_timeout_s * len(buckets))
+            # (one receiver per node: each bucket goes once to each host among the servers' urls)
+            server.wait_sent(len(buckets) * _hosts(self.urls), o.tcp_timeout_s * len(buckets))
         t_pause = time.perf_counter()
         for url in self.urls:
             self._post(
@@ -355,6 +353,11 @@ class WeightSyncer:
                 except WeightSyncError:
                     pass
             raise
+
+
+def _hosts(urls: list[str]) -> int:
+    """How many hosts the servers at `urls` run on (streamed buckets land once per host)."""
+    return len({urlsplit(u).hostname for u in urls}) or 1
 
 
 def _rejecting(buckets: Iterable[Bucket]) -> Iterator[Bucket]:

@@ -1,8 +1,8 @@
 """rljax's weight-transfer engine, running inside each vLLM worker (imported lazily by the plugin).
 
-Registered as backend "shm" and as "tcp" (the same class): the data path is chosen per update by
-its `update_info`, so one server takes both; a bucket is either a file to map (`path`, trainer and
-server on one host) or bytes to fetch over a socket from the trainer (`tcp`, `rljax.weight_sync.stream`).
+Registered under every name in `transports.TRANSPORTS` (one class: each `update_info` says whether a
+bucket is a file to map, `path`, or bytes to pull from the trainer's bucket server in its `source`, once
+per node and from several sources in parallel: `fanout`).
 Per update (driven by vLLM's `/start_weight_update`, `/update_weights`, `/finish_weight_update`):
 
 - start: layers whose served tensors are already in checkpoint format (embeddings, lm_heads, norms:
@@ -13,7 +13,7 @@ Per update (driven by vLLM's `/start_weight_update`, `/update_weights`, `/finish
   steps), the path vLLM's own IPC engine and `reload_weights` take. Those layers' parameters move to
   the meta device, so the server must be paused first (a forward pass before finish kills the engine).
   `init_info={"direct_load": false}` sends every layer through layerwise reload (vLLM's own path).
-- tcp prefetch: `/update_weights` with `prefetch: true` (sent before `/pause`, right after
+- streamed prefetch: `/update_weights` with `prefetch: true` (sent before `/pause`, right after
   `/start_weight_update`) starts a thread in the worker that receives the listed buckets into its own
   buffers while the server keeps generating, and returns at once; the load call after the pause joins
   it and loads from those buffers. So `start` is lazy: the layers move to the meta device only when the
@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
-import threading
 import time
 import zlib
 
@@ -54,7 +53,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from rljax.weight_sync import staging, stream, wire
+from rljax.weight_sync import fanout, staging, transports, wire
 
 logger = init_logger("vllm.rljax_shm")  # under "vllm": vLLM configures only that logger tree
 
@@ -80,9 +79,10 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
     tensors: list = dataclasses.field(default_factory=list)
     bucket: int = 0
     copy: bool = False
-    tcp: dict | None = None  # {"host", "port", "token", "timeout_s"}: fetch the bytes from the trainer
+    source: dict | None = None  # a trainer's bucket server (`transports`): pull the bytes from it
+    tcp: dict | None = None  # older form of a tcp `source` ({"host", "port", "token", "timeout_s"})
     buckets: list = dataclasses.field(default_factory=list)  # several buckets in one call
-    prefetch: bool = False  # tcp only: receive in the background now, load on a later call
+    prefetch: bool = False  # streamed only: receive in the background now, load on a later call
     abort: bool = False  # end a session a dead trainer left open (the call fails on purpose, see below)
 
 
@@ -101,8 +101,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self._active = False
         self._direct: bool = False
         self._started = False
-        self._prefetch: threading.Thread | None = None
-        self._prefetched: dict[int, tuple] = {}  # bucket index -> (buffer, size) or (None, exception)
+        self._puller = fanout.Puller(transports.connect)  # streamed buckets: pulled once per node
         self._spec: dict | None = None
         self._timing: dict = {}
         self._tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
@@ -120,10 +119,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self._join_prefetch()
         self._seen, self._active, self._started = set(), True, False
         self._slices = wire.SliceAssembler(self.spec())  # sharded staging: blocks -> full tensors
-        self._timing = {"map": 0.0, "recv": 0.0, "load": 0.0, "finalize": 0.0, "buckets": 0, "bytes": 0}
-        self._timing |= {"start": 0.0, "prefetch": 0.0}
+        self._timing = {"map": 0.0, "load": 0.0, "finalize": 0.0, "buckets": 0, "bytes": 0, "start": 0.0}
         self._direct = bool(self.options.direct_load)
-        self._prefetched = {}
+        self._puller.reset()
 
     def _ensure_started(self) -> None:
         """The deferred half of `start`: wait for a prefetch, then take the layers apart for loading."""
@@ -159,36 +157,21 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             raise
 
     def _start_prefetch(self, infos: list[ShmUpdateInfo]) -> None:
-        if any(i.tcp is None for i in infos):
-            raise ValueError("weight sync: prefetch is for tcp buckets only")
+        if any(_source(i) is None for i in infos):
+            raise ValueError("weight sync: prefetch is for streamed buckets only")
         seen: set[str] = set()
         for info in infos:  # names, shapes and sizes before any buffer is allocated
             wire.check_entries(_entries(info), self.spec(), seen)
-        self._join_prefetch()
-
-        def run():
-            t0 = time.perf_counter()
-            for info in infos:
-                try:
-                    self._prefetched[info.bucket] = self._fetch(info, timed=False)
-                except BaseException as e:  # noqa: BLE001 - raised by the load call that needs it
-                    self._prefetched[info.bucket] = (None, e)
-                    break
-            self._timing["prefetch"] = time.perf_counter() - t0
-
-        self._prefetch = threading.Thread(target=run, daemon=True, name="rljax-ws-prefetch")
-        self._prefetch.start()
+        self._puller.start([_item(i) for i in infos])
 
     def _join_prefetch(self) -> None:
-        if self._prefetch is not None:
-            self._prefetch.join()  # bounded: every receive has the stream's timeout
-            self._prefetch = None
+        self._puller.join()  # bounded: every receive has the transport's timeout
 
     def _receive(self, info: ShmUpdateInfo) -> None:
         t0 = time.perf_counter()
         entries = _entries(info)
         wire.check_entries(entries, self.spec(), set(self._seen))  # before any byte is mapped or received
-        if info.tcp is not None:
+        if _source(info) is not None:
             buf, size = self._fetch(info)
             t0 = time.perf_counter()  # the receive is counted on its own (recv_s)
         else:
@@ -219,22 +202,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             return (mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ) if size else None), size
 
-    def _fetch(self, info: ShmUpdateInfo, timed: bool = True) -> tuple[np.ndarray, int]:
-        if info.bucket in self._prefetched:
-            buf, size = self._prefetched.pop(info.bucket)
-            if buf is None:
-                raise size
-            return buf, size
-        t0 = time.perf_counter()
-        expected = wire.bucket_extent(_entries(info))  # the sender cannot make the worker allocate more
-        client = stream.BucketClient(info.tcp)
-        try:
-            buf, size = client.fetch(info.bucket, expected, lambda n: np.empty(n, np.uint8))
-        finally:
-            client.close()
-        if timed:
-            self._timing["recv"] += time.perf_counter() - t0
-        return buf, size
+    def _fetch(self, info: ShmUpdateInfo) -> tuple[mmap.mmap | None, int]:
+        """Bucket `info` as the node's copy (prefetched, or pulled now: once per node, see `fanout`)."""
+        return self._puller.get(_item(info))
 
     def _assembled(self, buf, entries: list[wire.TensorEntry]) -> list[tuple[str, torch.Tensor]]:
         """Slices (sharded staging) copied into their full tensors; those now complete, to load."""
@@ -286,9 +256,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 repack_lm_heads(self.model)
         finally:
             self._active = self._started = False
-            self._prefetched = {}
             self._release()
-            t = self._timing
+            t = self._timing | {"prefetch": self._puller.prefetch_s, "recv": self._puller.recv_s}
             t["finalize"] = time.perf_counter() - t0
             # One line per update; benchmarks/bench_weight_sync.py parses it from the server log.
             logger.info(
@@ -313,6 +282,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 except BufferError:  # a tensor still views it: leave it to the garbage collector
                     pass
         self._keep = []
+        self._puller.release()  # the last worker on the node removes the received files
 
     def shutdown(self) -> None:
         self._release()
@@ -327,6 +297,15 @@ def _checked_view(buf, e: wire.TensorEntry) -> memoryview:
     if e.crc32 is not None and zlib.crc32(view) != e.crc32:
         raise ValueError(f"weight sync: checksum mismatch for tensor {e.name!r} (bucket bytes corrupted)")
     return view
+
+
+def _source(info: ShmUpdateInfo) -> dict | None:
+    return transports.source_of(info.source, info.tcp)
+
+
+def _item(info: ShmUpdateInfo) -> tuple[dict, int, int]:
+    """`(source, bucket, bytes)`; the size comes from the tensor list, so no sender can choose it."""
+    return _source(info), int(info.bucket), wire.bucket_extent(_entries(info))
 
 
 def _entries(info: ShmUpdateInfo) -> list[wire.TensorEntry]:

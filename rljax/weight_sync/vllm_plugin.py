@@ -1,4 +1,4 @@
-"""vLLM plugin (entry point `vllm.general_plugins: rljax_weight_transfer`): the "shm" and "tcp" backends.
+"""vLLM plugin (entry point `vllm.general_plugins: rljax_weight_transfer`): one backend per transport.
 
 vLLM calls `register()` in every process that loads plugins (API server, engine core, workers), so it
 must be idempotent and cheap: the engine module (torch, vllm internals) is imported lazily by the factory
@@ -7,12 +7,11 @@ only where the backend is actually built.
 
 from __future__ import annotations
 
-# One engine for both names: each update's `update_info` says whether its buckets are files to map
-# ("shm": trainer and server on one host) or bytes to fetch from the trainer over a socket ("tcp").
-BACKENDS = {
-    "shm": ("rljax.weight_sync.vllm_engine", "ShmWeightTransferEngine"),
-    "tcp": ("rljax.weight_sync.vllm_engine", "ShmWeightTransferEngine"),
-}
+from rljax.weight_sync.transports import NAMES
+
+# One engine for every transport name: each update's `update_info` says whether its buckets are files to
+# map ("shm": trainer and server on one host) or bytes to pull from a trainer's bucket server (its `source`).
+BACKENDS = {name: ("rljax.weight_sync.vllm_engine", "ShmWeightTransferEngine") for name in NAMES}
 
 
 def register() -> None:

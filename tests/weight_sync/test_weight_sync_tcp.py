@@ -180,7 +180,7 @@ def test_stream_dead_or_stalled_peer_gives_clear_errors(tmp_path, monkeypatch):
 
 
 def test_sync_options_validate_transport():
-    with pytest.raises(ValueError, match="transport must be one of shm, tcp, got 'udp'"):
+    with pytest.raises(ValueError, match="transport must be one of shm, tcp, zmq, got 'udp'"):
         SyncOptions(transport="udp")
     with pytest.raises(ValueError, match="tcp_timeout_s must be > 0"):
         SyncOptions(transport="tcp", tcp_timeout_s=0)
