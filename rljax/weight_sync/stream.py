@@ -266,7 +266,7 @@ class BucketServer:
             return self._note(False)  # the worker died or timed out; it reports its own error
 
     def _send_file(self, conn: socket.socket, index: int, path: str) -> int | None:
-        """Sends one bucket; its size, or None if it was cut short (`fault`)."""
+        """Sends one bucket; returns its size (None: cut short, as the tests' `stream_faults` does)."""
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             send_frame(conn, {"bucket": index, "nbytes": size})

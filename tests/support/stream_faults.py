@@ -14,7 +14,7 @@ from rljax.weight_sync import stream
 def install(monkeypatch, kind: str, n: int) -> None:
     assert kind in ("close", "stall"), kind
 
-    def send_part(self, conn: socket.socket, index: int, path: str) -> bool:
+    def send_part(self, conn: socket.socket, index: int, path: str) -> None:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             stream.send_frame(conn, {"bucket": index, "nbytes": size})
@@ -22,6 +22,6 @@ def install(monkeypatch, kind: str, n: int) -> None:
             if kind == "stall":
                 self._stop.wait()
             conn.shutdown(socket.SHUT_RDWR)
-        return False
+        return None  # cut short: not counted as sent
 
     monkeypatch.setattr(stream.BucketServer, "_send_file", send_part)
