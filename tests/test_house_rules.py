@@ -30,7 +30,6 @@ TOO_LONG = {
 # module -> name switches in it today (see the module doc). Replace each by a registry lookup at build time.
 NAME_SWITCHES = {
     "rljax/config.py": 2,  # validate: algo.family == "grpo" (group size), == "ppo" (critic checks)
-    "rljax/loop/setup.py": 1,  # algo.family == "ppo" -> make_ppo_update
     "rljax/memory.py": 3,  # algo.family == "ppo": the critic's buffers
     "rljax/preflight.py": 5,  # family, optimizer name and remat in the memory estimate
     "rljax/replay.py": 1,  # algo.family == "ppo" -> make_ppo_update
