@@ -86,7 +86,7 @@ def replay(workdir: str, step: int) -> Verdict:
     from rljax import config as config_lib
     from rljax import trainer
     from rljax.checkpoint import Checkpointer, abstract_like, load_batch
-    from rljax.loop.setup import load_policy
+    from rljax.loop.setup import UPDATES, load_policy
     from rljax.sharding import make_mesh
 
     ckpt_dir, batch_file = check_inputs(workdir, step)
@@ -100,8 +100,7 @@ def replay(workdir: str, step: int) -> Verdict:
         want, _ = checkpointer.restore(step + 1, template)
     finally:
         checkpointer.close()
-    make_update = trainer.make_ppo_update if cfg.algo.family == "ppo" else trainer.make_update
-    update = make_update(cfg, model_config, mesh)
+    update = UPDATES.get(cfg.algo.family)(cfg, model_config, mesh)  # the run's own update factory
     batch, _ = trainer.prepare_batch(cfg, load_batch(batch_file), mesh)
     got, _ = update(state, batch, params if cfg.algo.beta > 0 else None)
     return compare_trees(got, want)

@@ -32,7 +32,6 @@ NAME_SWITCHES = {
     "rljax/config.py": 2,  # validate: algo.family == "grpo" (group size), == "ppo" (critic checks)
     "rljax/memory.py": 3,  # algo.family == "ppo": the critic's buffers
     "rljax/preflight.py": 5,  # family, optimizer name and remat in the memory estimate
-    "rljax/replay.py": 1,  # algo.family == "ppo" -> make_ppo_update
     "rljax/trainer/optim.py": 3,  # optimizer and schedule if/elif
     "rljax/trainer/state.py": 1,  # algo.family == "ppo" -> a critic
     "rljax/weight_sync/syncer.py": 1,  # options.transport != "tcp"

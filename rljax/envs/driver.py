@@ -149,7 +149,7 @@ def sample_turn(sampler: Sampler, episodes: list[Episode], seed: int, max_total:
     for history, members in histories.items():
         budget = min(ro.max_tokens, max_total - len(history))
         calls[(budget, len(members))].append(history)
-    out: list[Any] = [None] * len(episodes)
+    out: list[Completion | None] = [None] * len(episodes)
     stop = turn_stop_ids(sampler)
     for (budget, n), prompts in sorted(calls.items()):
         request = ro.request(n=n, seed=seed, max_tokens=budget, stop_token_ids=stop)

@@ -12,6 +12,7 @@ from rljax.loop import train
 from rljax.loop.train import mfu_metrics
 from rljax.metrics import peak_flops
 from rljax.trainer.flops import matmul_params, update_flops
+from rljax.trainer.state import TrainState
 
 MC = types.SimpleNamespace(
     num_layers=2, num_heads=4, head_dim=8, vocab_size=100, hidden_size=16, tie_word_embeddings=False
@@ -41,7 +42,7 @@ def test_update_flops_counts_each_pass():
 
 def mfu(peak: float, batch, update_s: float) -> dict:
     cfg = with_fields(Config(), metrics__peak_flops_per_device=peak)
-    state = types.SimpleNamespace(params=PARAMS, critic_params=None)
+    state = TrainState(step=np.int32(0), params=PARAMS, opt_state=(), nonfinite_count=np.int32(0))
     return mfu_metrics(cfg, MC, state, batch, update_s)
 
 
