@@ -24,9 +24,7 @@ TOO_LONG = {
 }
 
 # module -> name switches in it today (see the module doc). Replace each by a registry lookup at build time.
-NAME_SWITCHES = {
-    "rljax/loop/setup.py": 1,  # algo.family == "ppo" -> make_ppo_update (trainer.make_family_update)
-}
+NAME_SWITCHES = {}
 SENTINELS = {"auto"}
 
 

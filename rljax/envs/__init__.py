@@ -1,6 +1,6 @@
 """Multi-turn, tool-using rollout environments (token in / token out).
 
-`ENVS` maps `rollout.env` names to `EnvSpec`s whose `generate_groups(run, examples, seed)` has the
+`ENVS` maps `rollout.env` names to `EnvSpec`s whose `generate_groups(sampler, examples, seed)` has the
 contract of `rljax.loop.rollout_phase.generate_groups`. Built in: calculator_math (the expression is
 prefilled: the model closes the call, then answers), calculator_math_open (only the call's opening is
 prefilled: the model writes the expression), python_math (the same task through the Python sandbox).

@@ -1,11 +1,11 @@
-"""Multi-turn rollouts, token in / token out: `generate_multi_turn_groups(run, examples, seed)`.
+"""Multi-turn rollouts, token in / token out: `generate_multi_turn_groups(sampler, examples, seed, spec=)`.
 
 Same contract as `rljax.loop.rollout_phase.generate_groups` (groups of `rollout.group_size` scored
 trajectories + metrics), but each sample is an episode of an environment (`rljax.envs.base`):
 
 1. `env.reset(example)` gives the prompt text, tokenized once: `prompt_ids`.
-2. Each model turn is sampled by `run.engine.generate` on the episode's full token history (prompt +
-   everything appended so far), stopping at `</tool_call>` or the run's stop tokens. Its token ids and
+2. Each model turn is sampled by `sampler.engine.generate` on the episode's full token history (prompt +
+   everything appended so far), stopping at `</tool_call>` or the sampler's stop tokens. Its token ids and
    log-probs are appended as they came back (mask 1).
 3. The turn, decoded with special tokens kept, goes to `env.step` (in a daemon thread with a deadline).
    Unless the episode is done, the observation text is tokenized once and its ids appended (mask 0,
@@ -16,13 +16,13 @@ Limits (`EpisodeLimits`) and what happens at each (the trajectory is kept, `trun
 reward is whatever the environment gave so far):
 - max_turns model turns: an episode still going after its last turn ends (env/truncated_max_turns);
   the last observation is not appended.
-- max_total_tokens (prompt + completion; 0 means the run's max_sequence_length): a turn may sample
+- max_total_tokens (prompt + completion; 0 means the sampler's max_sequence_length): a turn may sample
   only what is left, and an observation that leaves no room for another turn is not appended
   (env/truncated_max_tokens).
 - a turn cut by rollout.max_tokens: the episode ends after the env scores it (env/truncated_turn_length).
 - step_timeout_s around `env.step` (tools have their own, shorter, deadlines): a step that hangs or
   raises ends its episode (env/tool_timeouts, env/step_errors); other episodes carry on.
-Rewards are the sum of the environment's step rewards (plus the run's length shaping on the sampled
+Rewards are the sum of the environment's step rewards (plus the sampler's length shaping on the sampled
 token count); `rollout.reward` functions are not applied to multi-turn episodes.
 """
 
@@ -38,6 +38,7 @@ import numpy as np
 from rljax.envs.base import Environment, StepResult, StepTimeout, submit_in_thread
 from rljax.envs.parsing import CLOSE
 from rljax.registry import Registry
+from rljax.sampling import Completion, Sampler
 from rljax.trajectory import Group, Trajectory
 
 _STATUS_COUNTS = {
@@ -63,7 +64,7 @@ _TURN_SEED_STRIDE = 1_000_003  # turn t samples with seed + t * stride: distinct
 @dataclasses.dataclass(frozen=True)
 class EpisodeLimits:
     max_turns: int = 4  # model turns per episode
-    max_total_tokens: int = 0  # prompt + completion tokens; 0 = the run's max_sequence_length
+    max_total_tokens: int = 0  # prompt + completion tokens; 0 = the sampler's max_sequence_length
     step_timeout_s: float = 30.0  # backstop around env.step
     max_parallel_steps: int = 8  # env steps in flight at once (sandboxes share a process limit)
 
@@ -75,9 +76,9 @@ class EnvSpec:
     make_env: Callable[[], Environment]
     limits: EpisodeLimits = EpisodeLimits()
 
-    def generate_groups(self, run, examples: list[dict], seed: int) -> tuple[list, dict]:
+    def generate_groups(self, sampler: Sampler, examples: list[dict], seed: int) -> tuple[list, dict]:
         """`rollout_phase.generate_groups`'s contract, with episodes of this environment."""
-        return generate_multi_turn_groups(run, examples, seed, spec=self)
+        return generate_multi_turn_groups(sampler, examples, seed, spec=self)
 
 
 ENVS: Registry[EnvSpec] = Registry("environment")
@@ -117,35 +118,30 @@ class Episode:
             self.counts[flag] += 1
 
 
-def encode_text(run, text: str) -> list[int]:
-    """Token ids of `text` (special tokens in it are parsed as such), tokenized exactly once."""
-    return list(run.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def turn_stop_ids(run) -> tuple[int, ...]:
-    """The run's stop tokens plus `</tool_call>`, which must be one token of the vocabulary."""
-    ids = run.tokenizer(CLOSE, add_special_tokens=False)["input_ids"]
+def turn_stop_ids(sampler: Sampler) -> tuple[int, ...]:
+    """The sampler's stop tokens plus `</tool_call>`, which must be one token of the vocabulary."""
+    ids = sampler.encode_text(CLOSE)
     if len(ids) != 1:
         raise ValueError(
             f"multi-turn rollouts need {CLOSE!r} as a single (special) token; it encodes as {ids}"
         )
-    return tuple(dict.fromkeys((*run.stop_token_ids, int(ids[0]))))
+    return tuple(dict.fromkeys((*sampler.options.stop_token_ids, int(ids[0]))))
 
 
-def start_episodes(run, examples: list[dict], spec: EnvSpec) -> list[Episode]:
+def start_episodes(sampler: Sampler, examples: list[dict], spec: EnvSpec) -> list[Episode]:
     """`group_size` fresh episodes per example, example-major; each prompt tokenized once."""
     episodes = []
     for i, example in enumerate(examples):
-        for _ in range(run.cfg.rollout.group_size):
+        for _ in range(sampler.options.group_size):
             env = spec.make_env()
-            episodes.append(Episode(env, i, encode_text(run, env.reset(example))))
+            episodes.append(Episode(env, i, sampler.encode_text(env.reset(example))))
     return episodes
 
 
-def sample_turn(run, episodes: list[Episode], seed: int, max_total: int) -> list[Any]:
+def sample_turn(sampler: Sampler, episodes: list[Episode], seed: int, max_total: int) -> list[Completion]:
     """One completion per episode (aligned with `episodes`). Episodes with equal histories (the first
     turn of a group) share one request with n samples; one engine call per (budget, n)."""
-    ro = run.cfg.rollout
+    ro = sampler.options
     histories: dict[tuple, list[int]] = collections.defaultdict(list)
     for j, e in enumerate(episodes):
         histories[tuple(e.prompt_ids + e.completion_ids)].append(j)
@@ -153,18 +149,11 @@ def sample_turn(run, episodes: list[Episode], seed: int, max_total: int) -> list
     for history, members in histories.items():
         budget = min(ro.max_tokens, max_total - len(history))
         calls[(budget, len(members))].append(history)
-    out: list[Any] = [None] * len(episodes)
+    out: list[Completion | None] = [None] * len(episodes)
+    stop = turn_stop_ids(sampler)
     for (budget, n), prompts in sorted(calls.items()):
-        completions = run.engine.generate(
-            [list(h) for h in prompts],
-            n=n,
-            temperature=ro.temperature,
-            top_p=ro.top_p,
-            top_k=ro.top_k,
-            max_tokens=budget,
-            stop_token_ids=turn_stop_ids(run),
-            seed=seed,
-        )
+        request = ro.request(n=n, seed=seed, max_tokens=budget, stop_token_ids=stop)
+        completions = sampler.engine.generate([list(h) for h in prompts], **request)
         for c in completions:
             out[histories[prompts[c.prompt_index]][c.sample_index]] = c
     if any(c is None for c in out):
@@ -189,7 +178,7 @@ def step_all(envs: list[Environment], actions: list[str], limits: EpisodeLimits)
     return results
 
 
-def apply_step(run, ep: Episode, result: Any, *, last_turn: bool, max_total: int) -> None:
+def apply_step(sampler: Sampler, ep: Episode, result: Any, *, last_turn: bool, max_total: int) -> None:
     """Records one env step: reward, tool counters, and the observation unless the episode ends."""
     if isinstance(result, StepTimeout):
         return ep.end("tool_timeouts")
@@ -202,7 +191,7 @@ def apply_step(run, ep: Episode, result: Any, *, last_turn: bool, max_total: int
         return ep.end()
     if last_turn:
         return ep.end("truncated_max_turns")
-    ids = encode_text(run, result.observation)
+    ids = sampler.encode_text(result.observation)
     if ep.length + len(ids) >= max_total:  # no room left for another model turn
         return ep.end("truncated_max_tokens")
     ep.append(ids, (), sampled=False)
@@ -220,9 +209,10 @@ def record_turn(ep: Episode, completion, *, budget_is_total: bool) -> None:
         ep.counts["truncated_max_tokens" if budget_is_total else "truncated_turn_length"] += 1
 
 
-def run_episodes(run, episodes: list[Episode], seed: int, limits: EpisodeLimits) -> None:
+def run_episodes(sampler: Sampler, episodes: list[Episode], seed: int, limits: EpisodeLimits) -> None:
     """Plays every episode to its end (see the module docstring for the limits)."""
-    max_total = min(limits.max_total_tokens or run.max_sequence_length, run.max_sequence_length)
+    max_len = sampler.options.max_sequence_length
+    max_total = min(limits.max_total_tokens or max_len, max_len)
     for turn in range(limits.max_turns):
         active = [e for e in episodes if not e.done]
         for e in active:
@@ -231,13 +221,13 @@ def run_episodes(run, episodes: list[Episode], seed: int, limits: EpisodeLimits)
         active = [e for e in active if not e.done]
         if not active:
             return
-        completions = sample_turn(run, active, seed + turn * _TURN_SEED_STRIDE, max_total)
+        completions = sample_turn(sampler, active, seed + turn * _TURN_SEED_STRIDE, max_total)
         for e, c in zip(active, completions, strict=True):
-            record_turn(e, c, budget_is_total=max_total - e.length < run.cfg.rollout.max_tokens)
-        decoded = [run.tokenizer.decode(list(c.token_ids), skip_special_tokens=False) for c in completions]
+            record_turn(e, c, budget_is_total=max_total - e.length < sampler.options.max_tokens)
+        decoded = [sampler.decode(c.token_ids, skip_special_tokens=False) for c in completions]
         results = step_all([e.env for e in active], decoded, limits)
         for e, r in zip(active, results, strict=True):
-            apply_step(run, e, r, last_turn=turn + 1 == limits.max_turns, max_total=max_total)
+            apply_step(sampler, e, r, last_turn=turn + 1 == limits.max_turns, max_total=max_total)
 
 
 def to_trajectory(ep: Episode, reward: float) -> Trajectory:
@@ -265,19 +255,18 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
 
 
 def generate_multi_turn_groups(
-    run, examples: list[dict], seed: int, *, spec: EnvSpec | None = None
+    sampler: Sampler, examples: list[dict], seed: int, *, spec: EnvSpec
 ) -> tuple[list[Group], dict]:
-    """Plays `rollout.group_size` episodes per example; returns (groups, metrics) like
-    `rollout_phase.generate_groups`. `spec` defaults to ENVS[rollout.env]."""
-    spec = ENVS.get(run.cfg.rollout.env) if spec is None else spec
-    episodes = start_episodes(run, examples, spec)
-    run_episodes(run, episodes, seed, spec.limits)
+    """Plays `group_size` episodes of `spec`'s environment per example; returns (groups, metrics) like
+    `rollout_phase.generate_groups`."""
+    episodes = start_episodes(sampler, examples, spec)
+    run_episodes(sampler, episodes, seed, spec.limits)
     env_rewards = np.asarray([e.reward for e in episodes], np.float32)
-    rewards = env_rewards + run.length_shaping([sum(e.mask) for e in episodes])
+    rewards = env_rewards + sampler.length_shaping([sum(e.mask) for e in episodes])
     groups = [Group(ex, [], {}) for ex in examples]
     for e, r in zip(episodes, rewards, strict=True):
         groups[e.example_index].trajectories.append(to_trajectory(e, r))
-    size = run.cfg.rollout.group_size
+    size = sampler.options.group_size
     for j, g in enumerate(groups):
         g.per_fn = {"env": env_rewards[j * size : (j + 1) * size]}
-    return groups, episode_metrics(episodes) | run.engine.metrics()
+    return groups, episode_metrics(episodes) | sampler.engine.metrics()

@@ -8,43 +8,70 @@ batch shape (and the jit cache) never changes.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
+from rljax.config import Config
 from rljax.envs import ENVS
+from rljax.loop.data_setup import PromptStream
 from rljax.metrics import combine_metrics
+from rljax.sampling import Sampler, SamplingOptions
 from rljax.trajectory import Group, Trajectory, build_loss_inputs
+from rljax.types import LossInputs
+
+# `generate(sampler, examples, seed) -> (groups, metrics)`: single-turn below, or an environment's.
+GenerateGroups = Callable[[Sampler, list[dict], int], tuple[list[Group], dict]]
 
 
-def generate_groups(run, examples: list[dict], seed: int) -> tuple[list[Group], dict]:
-    """Samples `rollout.group_size` completions per example and scores them. Returns (groups, metrics)."""
-    ro = run.cfg.rollout
-    prompt_ids = [run.encode_prompt(ex) for ex in examples]
-    completions = run.engine.generate(
-        prompt_ids,
-        n=ro.group_size,
-        temperature=ro.temperature,
-        top_p=ro.top_p,
-        top_k=ro.top_k,
-        max_tokens=ro.max_tokens,
-        stop_token_ids=run.stop_token_ids,
-        seed=seed,
+@dataclasses.dataclass(frozen=True)
+class Collector:
+    """Where a step's groups come from (sync mode, and the async producer's work): the prompt stream,
+    the generator resolved once from `rollout.env`, and the dynamic-sampling settings."""
+
+    sampler: Sampler
+    prompts: PromptStream
+    generate: GenerateGroups
+    groups_per_step: int  # rollout.batch_size // rollout.group_size
+    seed: int  # trainer.seed
+    dynamic_sampling: bool
+    max_refill_rounds: int
+
+
+def make_collector(cfg: Config, sampler: Sampler, prompts: PromptStream) -> Collector:
+    """The run's Collector; `rollout.env` (empty: single-turn) picks the generator here, once."""
+    generate = ENVS.get(cfg.rollout.env).generate_groups if cfg.rollout.env else generate_groups
+    return Collector(
+        sampler=sampler,
+        prompts=prompts,
+        generate=generate,
+        groups_per_step=cfg.rollout.batch_size // cfg.rollout.group_size,
+        seed=cfg.trainer.seed,
+        dynamic_sampling=cfg.algo.dynamic_sampling,
+        max_refill_rounds=cfg.algo.max_refill_rounds,
     )
+
+
+def generate_groups(sampler: Sampler, examples: list[dict], seed: int) -> tuple[list[Group], dict]:
+    """Samples `group_size` completions per example and scores them. Returns (groups, metrics)."""
+    size = sampler.options.group_size
+    prompt_ids = [sampler.encode_prompt(ex) for ex in examples]
+    completions = sampler.engine.generate(prompt_ids, **sampler.options.request(n=size, seed=seed))
     by_prompt: dict[int, list] = {i: [] for i in range(len(examples))}
     for c in completions:
         by_prompt[c.prompt_index].append(c)
     items, flat = [], []
     for i, ex in enumerate(examples):
         cs = sorted(by_prompt[i], key=lambda c: c.sample_index)
-        if len(cs) != ro.group_size:
-            raise RuntimeError(f"rollout returned {len(cs)} samples for prompt {i}, expected {ro.group_size}")
+        if len(cs) != size:
+            raise RuntimeError(f"rollout returned {len(cs)} samples for prompt {i}, expected {size}")
         for c in cs:
             items.append(
-                {"prompt": run.prompt_text(ex), "completion": run.decode(c.token_ids), "example": ex}
+                {"prompt": sampler.prompt_text(ex), "completion": sampler.decode(c.token_ids), "example": ex}
             )
             flat.append((i, c))
-    rewards, per_fn, reward_metrics = run.rewards.score(items)
-    rewards = rewards + run.length_shaping([len(c.token_ids) for _, c in flat])
+    rewards, per_fn, reward_metrics = sampler.rewards.score(items)
+    rewards = rewards + sampler.length_shaping([len(c.token_ids) for _, c in flat])
     groups = [Group(ex, [], {}) for ex in examples]
     for (i, c), r in zip(flat, rewards, strict=True):
         groups[i].trajectories.append(
@@ -59,29 +86,29 @@ def generate_groups(run, examples: list[dict], seed: int) -> tuple[list[Group], 
             )
         )
     for j, g in enumerate(groups):
-        sl = slice(j * ro.group_size, (j + 1) * ro.group_size)
+        sl = slice(j * size, (j + 1) * size)
         g.per_fn = {name: np.asarray(v)[sl] for name, v in per_fn.items()}
     tokens = sum(len(c.token_ids) for _, c in flat)
-    return groups, reward_metrics | run.engine.metrics() | {"rollout/generated_tokens": float(tokens)}
+    return groups, reward_metrics | sampler.engine.metrics() | {"rollout/generated_tokens": float(tokens)}
 
 
-def select_groups(run, step: int) -> tuple[list[Group], dict]:
-    """Sync mode: prompts for `step`, sampled, scored, and (with dynamic sampling) filtered and refilled."""
-    cfg = run.cfg
-    need = cfg.rollout.batch_size // cfg.rollout.group_size
+def select_groups(collector: Collector, step: int) -> tuple[list[Group], dict]:
+    """Prompts for `step`, sampled, scored, and (with dynamic sampling) filtered and refilled."""
+    c = collector
+    need = c.groups_per_step
     kept, dropped, round_metrics, rounds = [], [], [], 0
-    seed = cfg.trainer.seed * 1_000_003 + step * 101
-    generate = ENVS.get(cfg.rollout.env).generate_groups if cfg.rollout.env else generate_groups
+    seed = c.seed * 1_000_003 + step * 101
     while len(kept) < need:
-        groups, metrics_round = generate(run, run.prompts.next_examples(need - len(kept)), seed + rounds)
+        examples = c.prompts.next_examples(need - len(kept))
+        groups, metrics_round = c.generate(c.sampler, examples, seed + rounds)
         round_metrics.append(metrics_round)
-        if not cfg.algo.dynamic_sampling:
+        if not c.dynamic_sampling:
             kept += groups
             break
         for g in groups:
             (kept if np.std(g.rewards) > 0 else dropped).append(g)
         rounds += 1
-        if rounds > cfg.algo.max_refill_rounds:
+        if rounds > c.max_refill_rounds:
             break
     kept += dropped[: need - len(kept)]
     metrics = combine_metrics(round_metrics)  # by the schema's reductions: counts add up, rates average
@@ -90,14 +117,7 @@ def select_groups(run, step: int) -> tuple[list[Group], dict]:
     return kept[:need], metrics
 
 
-def collect(run, step: int) -> tuple[list[Group], dict]:
-    """The groups trained on at `step`: generated now (sync) or taken from the async buffer."""
-    if run.producer is not None:
-        return run.producer.take(step)
-    return select_groups(run, step)
-
-
-def reward_metrics(run, groups: list[Group]) -> dict:
+def reward_metrics(groups: list[Group]) -> dict:
     rewards = np.stack([g.rewards for g in groups])
     out = {
         "reward/mean": float(rewards.mean()),
@@ -126,25 +146,32 @@ def staleness_metrics(versions: np.ndarray, current: int) -> dict:
     }
 
 
-def to_loss_inputs(run, groups: list[Group], step: int):
-    """(LossInputs, metrics): group ids, advantages from the configured estimator, validated batch."""
-    ro = run.cfg.rollout
+def to_loss_inputs(
+    groups: list[Group],
+    step: int,
+    *,
+    advantages: Callable[[np.ndarray, np.ndarray, int], np.ndarray],
+    options: SamplingOptions,
+    vocab_size: int,
+) -> tuple[LossInputs, dict]:
+    """(LossInputs, metrics): group ids, `advantages(rewards f32[B], group_ids i32[B], num_groups)` from
+    the configured estimator, the batch validated against the sampler's settings and the vocabulary."""
     trajectories = [dataclasses.replace(t, group_id=j) for j, g in enumerate(groups) for t in g.trajectories]
     rewards = np.asarray([t.reward for t in trajectories], np.float32)
     group_ids = np.asarray([t.group_id for t in trajectories], np.int32)
-    advantages = np.asarray(run.advantages(rewards, group_ids, len(groups)), np.float32)
+    adv = np.asarray(advantages(rewards, group_ids, len(groups)), np.float32)
     batch = build_loss_inputs(
         trajectories,
-        advantages,
-        temperature=ro.temperature,
-        top_p=ro.top_p,
-        top_k=ro.top_k,
-        max_len=run.max_sequence_length,
-        vocab_size=run.model_config.vocab_size,
+        adv,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        max_len=options.max_sequence_length,
+        vocab_size=vocab_size,
     )
-    metrics = reward_metrics(run, groups) | {
-        "advantages/mean": float(advantages.mean()),
-        "advantages/std": float(advantages.std()),
+    metrics = reward_metrics(groups) | {
+        "advantages/mean": float(adv.mean()),
+        "advantages/std": float(adv.std()),
     }
     metrics |= staleness_metrics(np.asarray(batch.policy_version), step)
     return batch, metrics

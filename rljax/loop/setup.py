@@ -1,9 +1,11 @@
-"""Builds everything one run needs, once: model, trainer functions, rollout engine, rewards, data, writers.
+"""Builds everything one run needs, once, as a few typed parts: the Sampler, the Trainer, the Collector
+(and async producer), the Evaluator and the run's IO. `build_run` returns them with the train state.
 
-`Run` holds handles, not logic: the phases in `rljax.loop.train` and `rljax.loop.rollout_phase` use them.
-Resuming restores the train state, data position, policy version and async buffer from the newest good
-checkpoint, then re-pushes the restored weights into the (new) rollout server before the first step;
-connected servers (`rollout.vllm.urls`) get this run's weights before the first step even on a fresh start.
+Each part is a frozen dataclass of handles, not logic: the loop in `rljax.loop.train` passes each phase
+the part it needs, and the train state is passed and returned explicitly. Resuming restores the train
+state, data position, policy version and async buffer from the newest good checkpoint, then re-pushes the
+restored weights into the (new) rollout server before the first step; connected servers
+(`rollout.vllm.urls`) get this run's weights before the first step even on a fresh start.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from rljax import algos, models, trainer
 from rljax.checkpoint import Checkpointer, abstract_like
@@ -23,88 +26,74 @@ from rljax.config import Config, mesh_shape, to_dict
 from rljax.data import make_prompt_renderer
 from rljax.loop.async_rollout import AsyncProducer
 from rljax.loop.data_setup import PromptStream, load_examples
-from rljax.loop.distributed import is_leader, to_host
+from rljax.loop.distributed import is_leader
 from rljax.loop.engine import make_engine
-from rljax.loop.evaluation import make_evaluator
+from rljax.loop.evaluation import NO_EVAL, Evaluator, make_evaluator
 from rljax.loop.phases import PhaseTimer
-from rljax.loop.rollout_phase import select_groups
-from rljax.metrics import MetricsLogger, StatusWriter, device_memory_gb, host_memory_gb
+from rljax.loop.rollout_phase import Collector, make_collector, select_groups
+from rljax.metrics import MetricsLogger, StatusWriter
 from rljax.rewards import RewardPool
+from rljax.sampling import Engine, Sampler, SamplingOptions, Tokenizer
 from rljax.sharding import make_mesh
-from rljax.trainer.state import model_decoder, resolve_model_config
+from rljax.trainer.state import TrainState, model_decoder, resolve_model_config
 from rljax.trajectory import Trajectory, build_loss_inputs
+from rljax.types import LossInputs
+
+# `update(state, sharded batch, ref_params or None) -> (state, metrics)`, jitted, built once.
+UpdateFn = Callable[[TrainState, LossInputs, Any], tuple[TrainState, dict]]
 
 
-@dataclasses.dataclass
-class Run:
-    cfg: Config
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """The update side: the jitted update, the batch layout/sharding, the advantage estimator, the
+    reference params (None when algo.beta = 0), and the LossInputs structure non-leader processes
+    receive each (broadcast) batch into."""
+
+    model_config: models.ModelConfig
+    mesh: Mesh
+    update: UpdateFn
+    prepare_batch: Callable[[LossInputs], tuple[LossInputs, dict]]  # -> (sharded batch, layout metrics)
+    advantages: Callable[[np.ndarray, np.ndarray, int], np.ndarray]  # (f32[B], i32[B], groups) -> f32[B]
+    ref_params: Any  # a params pytree, or None
+    batch_template: LossInputs
+
+
+@dataclasses.dataclass(frozen=True)
+class RunIO:
+    """What the run writes: metrics, its status file, checkpoints, and the step's phase timings."""
+
     workdir: str
-    model_config: Any
-    tokenizer: Any
-    mesh: Any
-    state: Any
-    ref_params: Any
-    update: Callable
-    prepare_batch: Callable  # LossInputs -> (sharded batch, layout metrics): packed when configured
-    advantages: Callable
-    length_shaping: Callable
-    engine: Any
-    rewards: Any
-    prompts: Any
-    evaluate: Callable
-    logger: Any
-    status: Any
+    logger: MetricsLogger
+    status: StatusWriter
     checkpointer: Checkpointer
     timer: PhaseTimer
-    config_dict: dict
-    start_step: int
-    stop_token_ids: tuple
-    max_sequence_length: int
-    renderer: Any  # rljax.data.make_prompt_renderer: example -> prompt text / token ids
-    producer: Any = None
-    batch_template: Any = None  # the LossInputs structure non-leader processes receive the batch into
+    config_dict: dict  # saved with every checkpoint
 
-    def encode_prompt(self, example: dict) -> list[int]:
-        return self.renderer.ids(example)
 
-    def prompt_text(self, example: dict) -> str:
-        return self.renderer.text(example)
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """The parts of one run, built once by `build_run`. `producer` (async mode) and a working
+    `evaluator` exist on the leader only (other processes get None and `NO_EVAL`)."""
 
-    def decode(self, token_ids) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    def sync_weights(self, version: int) -> dict:
-        return self.engine.push_weights(self.state.params, version)
-
-    def checkpoint_extra(self) -> dict:
-        """data position, policy version, and (async) the buffered batches, consistent with each other."""
-        extra = {"policy_version": int(to_host(self.state.step)), "seed": self.cfg.trainer.seed}
-        if self.producer is None:
-            return extra | {"data": self.prompts.state()}
-        snapshot = self.producer.snapshot()
-        return extra | {"data": snapshot["data"], "buffer": snapshot}
-
-    def system_metrics(self) -> dict:
-        out = {"memory/host_rss_gb": host_memory_gb()}
-        peak = device_memory_gb()
-        if peak is not None:
-            out["memory/device_peak_gb"] = peak
-        return out
+    cfg: Config
+    sampler: Sampler
+    trainer: Trainer
+    collector: Collector
+    producer: AsyncProducer | None
+    evaluator: Evaluator
+    io: RunIO
 
     def close(self, phase: str = "done") -> None:
         """Stops everything; the status file ends with `phase` (done, failed, preempted)."""
-        closers = (
-            getattr(self.producer, "close", None),
-            self.checkpointer.close,
-            self.engine.close,
-            getattr(self.rewards, "close", None),
-            getattr(self.evaluate, "close", None),
-            self.logger.close,
-        )
-        for closer in closers:
-            if closer is not None:
-                closer()
-        self.status.close(phase)
+        if self.producer is not None:
+            self.producer.close()
+        self.io.checkpointer.close()
+        self.sampler.engine.close()
+        if self.sampler.rewards is not None:
+            self.sampler.rewards.close()
+        self.evaluator.close()
+        self.io.logger.close()
+        self.io.status.close(phase)
 
 
 def make_advantages(cfg: Config) -> Callable:
@@ -132,7 +121,7 @@ def make_length_shaping(cfg: Config) -> Callable:
     )
 
 
-def load_policy(cfg: Config, mesh) -> tuple[Any, Any, Any]:
+def load_policy(cfg: Config, mesh: Mesh) -> tuple[models.ModelConfig, Any, Tokenizer]:
     """(model_config with the configured dtype policy, params in their shardings, tokenizer); the model
     config is the trainer's (`resolve_model_config`: dtypes, remat, attention from `cfg.model`)."""
     model_config, params = models.load_hf_checkpoint(
@@ -168,35 +157,80 @@ def make_writers(cfg: Config, workdir: str, start_step: int) -> tuple[MetricsLog
     return logger, StatusWriter(workdir, process)
 
 
-def attach_producer(run: Run, extra: dict | None) -> None:
+def make_producer(collector: Collector, cfg: Config, start_step: int, extra: dict | None) -> AsyncProducer:
     """Async mode: a rollout producer running ahead of the trainer by at most trainer.max_staleness."""
-    run.producer = AsyncProducer(
-        lambda step: select_groups(run, step),
-        start_step=run.start_step,
-        max_staleness=run.cfg.trainer.max_staleness,
-        version=run.start_step,
-        data_state=run.prompts.state,
+    producer = AsyncProducer(
+        lambda step: select_groups(collector, step),
+        start_step=start_step,
+        max_staleness=cfg.trainer.max_staleness,
+        version=start_step,
+        data_state=collector.prompts.state,
     )
     if extra is not None and "buffer" in extra:
-        run.producer.restore(extra["buffer"])
-    run.producer.start()
+        producer.restore(extra["buffer"])
+    return producer.start()
 
 
-def build_run(cfg: Config, workdir: str, examples: tuple[list[dict], list[dict]] | None = None) -> Run:
-    """Everything one run needs; restores the newest good checkpoint in `workdir` if there is one.
-    `examples` (train, eval): loaded from `cfg.data` when not given."""
-    os.makedirs(workdir, exist_ok=True)
-    sizes = mesh_shape(cfg.mesh, jax.device_count())
-    mesh = make_mesh(**sizes)
-    model_config, params, tokenizer = load_policy(cfg, mesh)
-    state = trainer.init_train_state(cfg, model_config, params, mesh)
-    make_update_fn = trainer.make_ppo_update if cfg.algo.family == "ppo" else trainer.make_update
-    checkpointer = Checkpointer(
+def make_sampler(cfg: Config, tokenizer: Tokenizer, engine: Engine, rewards: RewardPool | None) -> Sampler:
+    """The run's Sampler: `cfg.rollout`'s options (stop tokens default to the tokenizer's EOS)."""
+    ro = cfg.rollout
+    options = SamplingOptions(
+        group_size=ro.group_size,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=ro.top_k,
+        max_tokens=ro.max_tokens,
+        stop_token_ids=tuple(ro.stop_token_ids) or (int(tokenizer.eos_token_id),),
+        max_sequence_length=ro.vllm.max_model_len,
+    )
+    renderer = make_prompt_renderer(
+        tokenizer,
+        template=cfg.data.template,
+        chat_template=cfg.data.chat_template,
+        system_prompt=cfg.data.system_prompt,
+    )
+    return Sampler(tokenizer, engine, renderer, rewards, make_length_shaping(cfg), options)
+
+
+def make_trainer(cfg: Config, model_config: models.ModelConfig, mesh: Mesh, params: Any) -> Trainer:
+    """The run's Trainer; the update factory is looked up by `algo.family` (`trainer.FAMILY_STEPS`)."""
+    return Trainer(
+        model_config=model_config,
+        mesh=mesh,
+        update=trainer.make_family_update(cfg, model_config, mesh),
+        prepare_batch=lambda b: trainer.prepare_batch(cfg, b, mesh),
+        advantages=make_advantages(cfg),
+        ref_params=params if cfg.algo.beta > 0 else None,
+        batch_template=batch_template(cfg),
+    )
+
+
+def make_io(cfg: Config, workdir: str, checkpointer: Checkpointer, start_step: int) -> RunIO:
+    logger, status = make_writers(cfg, workdir, start_step)
+    timer = PhaseTimer(on_phase=lambda name: status.update(phase=name))
+    return RunIO(workdir, logger, status, checkpointer, timer, to_dict(cfg))
+
+
+def make_checkpointer(cfg: Config, workdir: str) -> Checkpointer:
+    return Checkpointer(
         os.path.join(workdir, "checkpoints"),
         keep_last=cfg.checkpoint.keep_last,
         keep_every=cfg.checkpoint.keep_every,
         async_save=cfg.checkpoint.async_save,
     )
+
+
+def build_run(
+    cfg: Config, workdir: str, examples: tuple[list[dict], list[dict]] | None = None
+) -> tuple[Run, TrainState, int]:
+    """(parts, train state, start step): restores the newest good checkpoint in `workdir` if there is
+    one. `examples` (train, eval): loaded from `cfg.data` when not given."""
+    os.makedirs(workdir, exist_ok=True)
+    sizes = mesh_shape(cfg.mesh, jax.device_count())
+    mesh = make_mesh(**sizes)
+    model_config, params, tokenizer = load_policy(cfg, mesh)
+    state = trainer.init_train_state(cfg, model_config, params, mesh)
+    checkpointer = make_checkpointer(cfg, workdir)
     train_examples, eval_examples = load_examples(cfg.data) if examples is None else examples
     prompts = PromptStream(train_examples, seed=cfg.data.seed)
     start_step, extra, restored = 0, None, checkpointer.restore_latest(abstract_like(state))
@@ -209,49 +243,19 @@ def build_run(cfg: Config, workdir: str, examples: tuple[list[dict], list[dict]]
         # A server we start holds the base weights; one we connect to holds whatever it was last sent
         # (e.g. a previous run's policy): either way serve exactly this run's weights from the first step.
         engine.push_weights(state.params, start_step)
-    logger, status = make_writers(cfg, workdir, start_step)
-    run = Run(
-        cfg=cfg,
-        workdir=workdir,
-        model_config=model_config,
-        tokenizer=tokenizer,
-        mesh=mesh,
-        state=state,
-        ref_params=params if cfg.algo.beta > 0 else None,
-        update=make_update_fn(cfg, model_config, mesh),
-        prepare_batch=lambda b: trainer.prepare_batch(cfg, b, mesh),
-        advantages=make_advantages(cfg),
-        length_shaping=make_length_shaping(cfg),
-        engine=engine,
-        rewards=None,
-        prompts=prompts,
-        evaluate=lambda: {},
-        logger=logger,
-        status=status,
-        checkpointer=checkpointer,
-        timer=PhaseTimer(on_phase=lambda name: status.update(phase=name)),
-        config_dict=to_dict(cfg),
-        start_step=start_step,
-        stop_token_ids=tuple(cfg.rollout.stop_token_ids) or (int(tokenizer.eos_token_id),),
-        max_sequence_length=cfg.rollout.vllm.max_model_len,
-        renderer=make_prompt_renderer(
-            tokenizer,
-            template=cfg.data.template,
-            chat_template=cfg.data.chat_template,
-            system_prompt=cfg.data.system_prompt,
-        ),
-    )
-    run.batch_template = batch_template(cfg)
-    if not is_leader():
-        return run
-    run.rewards = make_reward_pool(cfg)
-    run.evaluate = make_evaluator(run, eval_examples)
-    if cfg.trainer.max_staleness > 0:
-        attach_producer(run, extra)
-    return run
+    io = make_io(cfg, workdir, checkpointer, start_step)
+    train_part = make_trainer(cfg, model_config, mesh, params)
+    leader = is_leader()
+    sampler = make_sampler(cfg, tokenizer, engine, make_reward_pool(cfg) if leader else None)
+    collector = make_collector(cfg, sampler, prompts)
+    evaluator = make_evaluator(cfg, sampler, eval_examples) if leader else NO_EVAL
+    async_mode = leader and cfg.trainer.max_staleness > 0
+    producer = make_producer(collector, cfg, start_step, extra) if async_mode else None
+    run = Run(cfg, sampler, train_part, collector, producer, evaluator, io)
+    return run, state, start_step
 
 
-def batch_template(cfg: Config):
+def batch_template(cfg: Config) -> LossInputs:
     """A LossInputs with the structure (and sampler settings) of every batch this run trains on."""
     traj = Trajectory([1], [1], [-1.0], 0.0, 0, 0)
     ro = cfg.rollout

@@ -1,8 +1,9 @@
-"""The host loop: a short sequence of named, timed phases per step.
+"""The host loop: one function, `loop`, whose body is the step's named, timed phases in order.
 
-prompts -> rollout (vLLM) -> rewards -> trajectories (LossInputs) -> update (old/ref log-probs inside)
--> weight sync -> metrics -> checkpoint. Everything numeric is in jitted functions built once in
-`rljax.loop.setup.build_run`; this module only sequences them and does the I/O.
+rollout (vLLM, rewards) -> batch (trajectories -> LossInputs, sharded) -> update (old/ref log-probs
+inside) -> weight sync -> eval -> log, then checkpoint. The train state is passed to the update and
+returned from it; everything numeric is in jitted functions built once in `rljax.loop.setup.build_run`,
+and each phase below gets only the part (`Sampler`, `Trainer`, `Collector`, `RunIO`) it uses.
 """
 
 from __future__ import annotations
@@ -15,46 +16,38 @@ import numpy as np
 from rljax.checkpoint import save_batch
 from rljax.config import Config
 from rljax.loop import rollout_phase
-from rljax.loop.distributed import barrier, broadcast_tree, is_leader
-from rljax.loop.evaluation import eval_due
+from rljax.loop.async_rollout import AsyncProducer
+from rljax.loop.distributed import barrier, broadcast_tree, is_leader, to_host
+from rljax.loop.evaluation import Evaluator, eval_due
 from rljax.loop.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
-from rljax.loop.setup import Run, build_run
-from rljax.metrics import peak_flops
+from rljax.loop.rollout_phase import Collector
+from rljax.loop.setup import Run, RunIO, Trainer, build_run
+from rljax.metrics import device_memory_gb, host_memory_gb, peak_flops
 from rljax.metrics.parameters import write_parameter_overview
 from rljax.metrics.profile import StepProfiler, profile_dir
+from rljax.models import ModelConfig
+from rljax.sampling import Engine, SamplingOptions
 from rljax.trainer.flops import matmul_params, update_flops
+from rljax.trainer.state import TrainState
+from rljax.trajectory import Group
+from rljax.types import LossInputs
 
 
 def train(cfg: Config, workdir: str, examples: tuple[list[dict], list[dict]] | None = None) -> None:
     """Trains for `trainer.steps` steps in `workdir`, resuming from its latest checkpoint if any.
     `examples`: the (train, eval) examples already loaded by `rljax.loop.inputs.resolve_inputs`, if any."""
-    run = build_run(cfg, workdir, examples)
+    run, state, start = build_run(cfg, workdir, examples)
     watch = PreemptionWatch()
     profiler = StepProfiler(profile_dir(workdir, jax.process_index()), cfg.metrics.profile_steps)
     phase = "failed"
     try:
         if is_leader():
-            table = write_parameter_overview(run.state.params, workdir)
+            table = write_parameter_overview(state.params, workdir)
             print(f"rljax: parameters (also in {workdir}/parameters.txt):\n{table}", flush=True)
-        if run.start_step == 0 and eval_due(cfg, 0):
-            run.logger.write(0, leader_evaluate(run) | {"policy/version": 0.0})
-        for step in range(run.start_step, cfg.trainer.steps):
-            with profiler.step(step + 1):  # numbered as in metrics.jsonl
-                run_step(run, step)
-            last = step + 1 == cfg.trainer.steps
-            if watch.should_stop():
-                save_checkpoint(run, step + 1)
-                run.checkpointer.wait()
-                barrier("rljax_preempted")  # no rank exits (and ends the srun step) before all saved
-                print(
-                    f"rljax: preempted; saved step {step + 1}, exiting for requeue",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                sys.exit(PREEMPTED_EXIT_CODE)
-            if cfg.checkpoint.enabled and (last or (step + 1) % cfg.checkpoint.every_steps == 0):
-                save_checkpoint(run, step + 1)
-        print(f"rljax: finished {cfg.trainer.steps} steps in {run.workdir}", flush=True)
+        if start == 0 and eval_due(cfg, 0):
+            run.io.logger.write(0, leader_evaluate(run.evaluator) | {"policy/version": 0.0})
+        loop(run, state, start, watch, profiler)
+        print(f"rljax: finished {cfg.trainer.steps} steps in {workdir}", flush=True)
         phase = "done"
     finally:
         profiler.stop()
@@ -62,66 +55,159 @@ def train(cfg: Config, workdir: str, examples: tuple[list[dict], list[dict]] | N
         run.close(phase)
 
 
-def run_step(run: Run, step: int) -> dict:
-    """One RL step; returns the metrics it wrote for `step + 1` (the policy version it produces)."""
-    cfg, timer = run.cfg, run.timer
+def loop(
+    run: Run, state: TrainState, start: int, watch: PreemptionWatch, profiler: StepProfiler
+) -> TrainState:
+    """Steps `start` .. `trainer.steps - 1`; step s trains policy version s + 1 (metrics.jsonl's step)."""
+    cfg, timer = run.cfg, run.io.timer
+    for step in range(start, cfg.trainer.steps):
+        version = step + 1
+        with profiler.step(version):
+            with timer.phase("rollout"):
+                groups, rollout_metrics = collect(run.collector, run.producer, step)
+            with timer.phase("batch"):
+                batch, sharded, batch_metrics = make_batch(
+                    cfg, run.trainer, run.sampler.options, run.io.workdir, groups, step
+                )
+            with timer.phase("update"):
+                state, update_metrics = run.trainer.update(state, sharded, run.trainer.ref_params)
+            with timer.phase("weight_sync"):
+                sync_metrics = sync_weights(run.sampler.engine, run.producer, state, version)
+            metrics = rollout_metrics | batch_metrics | update_metrics | sync_metrics
+            metrics["policy/version"] = float(version)
+            if eval_due(cfg, version):
+                with timer.phase("eval"):
+                    metrics |= leader_evaluate(run.evaluator)
+            log_step(cfg, run.io, run.trainer.model_config, state, batch, version, metrics)
+        if watch.should_stop():
+            preempt(run, state, version)
+        if cfg.checkpoint.enabled and (
+            version == cfg.trainer.steps or version % cfg.checkpoint.every_steps == 0
+        ):
+            save_checkpoint(run, state, version)
+    return state
+
+
+def collect(
+    collector: Collector, producer: AsyncProducer | None, step: int
+) -> tuple[list[Group] | None, dict]:
+    """The groups trained on at `step` (leader only): generated now (sync) or taken from the async buffer."""
+    if not is_leader():
+        return None, {}
+    if producer is not None:
+        return producer.take(step)
+    return rollout_phase.select_groups(collector, step)
+
+
+def make_batch(
+    cfg: Config,
+    trainer: Trainer,
+    options: SamplingOptions,
+    workdir: str,
+    groups: list[Group] | None,
+    step: int,
+) -> tuple[LossInputs, LossInputs, dict]:
+    """(batch, sharded batch, metrics): the leader builds the LossInputs, every process receives it
+    (`broadcast_tree`) and lays it out and shards it the same way."""
     leader = is_leader()
-    with timer.phase("rollout"):
-        groups, rollout_metrics = rollout_phase.collect(run, step) if leader else (None, {})
-    with timer.phase("batch"):
-        batch, batch_metrics = rollout_phase.to_loss_inputs(run, groups, step) if leader else (None, {})
-        batch = broadcast_tree(batch, like=run.batch_template)
-        if cfg.checkpoint.save_batches and leader:  # for `rljax.replay` of this update
-            save_batch(run.workdir, step, batch)
-        sharded, layout_metrics = run.prepare_batch(batch)
-        batch_metrics = batch_metrics | layout_metrics
-    with timer.phase("update"):
-        run.state, update_metrics = run.update(run.state, sharded, run.ref_params)
-    version = step + 1
-    with timer.phase("weight_sync"):
-        sync_metrics = run.sync_weights(version)
-    if run.producer is not None:
-        run.producer.set_version(version)
-    metrics = rollout_metrics | batch_metrics | update_metrics | sync_metrics
-    metrics["policy/version"] = float(version)
-    if eval_due(cfg, version):
-        with timer.phase("eval"):
-            metrics |= leader_evaluate(run)
-    metrics |= timer.reset()
+    batch, metrics = None, {}
+    if leader:
+        batch, metrics = rollout_phase.to_loss_inputs(
+            groups,
+            step,
+            advantages=trainer.advantages,
+            options=options,
+            vocab_size=trainer.model_config.vocab_size,
+        )
+    batch = broadcast_tree(batch, like=trainer.batch_template)
+    if cfg.checkpoint.save_batches and leader:  # for `rljax.replay` of this update
+        save_batch(workdir, step, batch)
+    sharded, layout_metrics = trainer.prepare_batch(batch)
+    return batch, sharded, metrics | layout_metrics
+
+
+def sync_weights(engine: Engine, producer: AsyncProducer | None, state: TrainState, version: int) -> dict:
+    """Serves `state.params` as policy `version`; the async producer may then run ahead from it."""
+    metrics = engine.push_weights(state.params, version)
+    if producer is not None:
+        producer.set_version(version)
+    return metrics
+
+
+def leader_evaluate(evaluator: Evaluator) -> dict:
+    """eval/* metrics from the leader (which owns the rollout engine); {} on other processes."""
+    return evaluator() if is_leader() else {}
+
+
+def log_step(
+    cfg: Config,
+    io: RunIO,
+    model_config: ModelConfig,
+    state: TrainState,
+    batch: LossInputs,
+    version: int,
+    metrics: dict,
+) -> None:
+    """Adds the step's timings, throughput, MFU and memory to `metrics`, writes them as step `version`
+    and updates the status file."""
+    metrics |= io.timer.reset()
+    update_s = metrics.get("timing/update_s", 0.0)
     tokens = float(np.sum(batch.loss_mask))
-    metrics["throughput/update_tokens_per_s"] = tokens / max(metrics.get("timing/update_s", 0.0), 1e-9)
-    metrics |= mfu_metrics(run, batch, metrics.get("timing/update_s", 0.0))
-    metrics |= run.system_metrics()
-    run.logger.write(version, metrics)
-    run.status.update(
+    metrics["throughput/update_tokens_per_s"] = tokens / max(update_s, 1e-9)
+    metrics |= mfu_metrics(cfg, model_config, state, batch, update_s)
+    metrics |= system_metrics()
+    io.logger.write(version, metrics)
+    io.status.update(
         step=version,
         phase="step_done",
         policy_version=version,
         total_steps=cfg.trainer.steps,
-        eta_s=run.logger.eta_s,
+        eta_s=io.logger.eta_s,
     )
-    return metrics
 
 
-def mfu_metrics(run: Run, batch, update_s: float) -> dict:
+def mfu_metrics(
+    cfg: Config, model_config: ModelConfig, state: TrainState, batch: LossInputs, update_s: float
+) -> dict:
     """`perf/mfu`: the update's model FLOPs (`rljax.trainer.flops`) / (update_s x peak x devices). The
     peak is `metrics.peak_flops_per_device`, else the device kind's (`rljax.metrics.peak_flops`); with
     neither (CPU) the metric is left out."""
-    peak = run.cfg.metrics.peak_flops_per_device or peak_flops(jax.devices()[0].device_kind)
+    peak = cfg.metrics.peak_flops_per_device or peak_flops(jax.devices()[0].device_kind)
     if not peak or update_s <= 0:
         return {}
-    n = matmul_params(run.state.params, run.model_config)
+    n = matmul_params(state.params, model_config)
     tokens = float(np.sum(np.asarray(batch.segment_ids) > 0))
-    critic = run.state.critic_params is not None
-    flops = update_flops(run.cfg, run.model_config, n, tokens, batch.segment_ids.shape[1], critic=critic)
+    critic = state.critic_params is not None
+    flops = update_flops(cfg, model_config, n, tokens, batch.segment_ids.shape[1], critic=critic)
     return {"perf/mfu": flops / (update_s * peak * jax.device_count())}
 
 
-def leader_evaluate(run: Run) -> dict:
-    """eval/* metrics from the leader (which owns the rollout engine); {} on other processes."""
-    return run.evaluate() if is_leader() else {}
+def system_metrics() -> dict:
+    out = {"memory/host_rss_gb": host_memory_gb()}
+    peak = device_memory_gb()
+    if peak is not None:
+        out["memory/device_peak_gb"] = peak
+    return out
 
 
-def save_checkpoint(run: Run, step: int) -> None:
-    with run.timer.phase("checkpoint"):
-        run.checkpointer.save(step, run.state, run.checkpoint_extra(), run.config_dict)
+def checkpoint_extra(run: Run, state: TrainState) -> dict:
+    """data position, policy version, and (async) the buffered batches, consistent with each other."""
+    extra = {"policy_version": int(to_host(state.step)), "seed": run.cfg.trainer.seed}
+    if run.producer is None:
+        return extra | {"data": run.collector.prompts.state()}
+    snapshot = run.producer.snapshot()
+    return extra | {"data": snapshot["data"], "buffer": snapshot}
+
+
+def save_checkpoint(run: Run, state: TrainState, step: int) -> None:
+    with run.io.timer.phase("checkpoint"):
+        run.io.checkpointer.save(step, state, checkpoint_extra(run, state), run.io.config_dict)
+
+
+def preempt(run: Run, state: TrainState, step: int) -> None:
+    """Saves `step`, waits until every process has saved, and exits for requeue (PREEMPTED_EXIT_CODE)."""
+    save_checkpoint(run, state, step)
+    run.io.checkpointer.wait()
+    barrier("rljax_preempted")  # no rank exits (and ends the srun step) before all saved
+    print(f"rljax: preempted; saved step {step}, exiting for requeue", file=sys.stderr, flush=True)
+    sys.exit(PREEMPTED_EXIT_CODE)

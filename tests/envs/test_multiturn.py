@@ -8,15 +8,16 @@ The proof with real vLLM generation is tests/envs/test_multiturn_vllm.py.
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from rljax.data import make_prompt_renderer
 from rljax.envs import EnvSpec, EpisodeLimits, StepResult, generate_multi_turn_groups
 from rljax.envs.math_env import TOOL_RESPONSE, ToolMathEnv
 from rljax.models.tiny import build_tokenizer
 from rljax.rollout.client import Completion
+from rljax.sampling import Sampler, SamplingOptions
 from rljax.trajectory import build_loss_inputs
 
 
@@ -47,18 +48,21 @@ class ScriptedEngine:
         return {}
 
 
-def make_run(tokenizer, script, *, max_tokens=16, max_len=512, group_size=2):
-    rollout = SimpleNamespace(
-        group_size=group_size, temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_tokens, env=""
-    )
-    return SimpleNamespace(
-        cfg=SimpleNamespace(rollout=rollout),
-        tokenizer=tokenizer,
-        engine=ScriptedEngine(tokenizer, script),
+def make_sampler(tokenizer, script, *, max_tokens=16, max_len=512, group_size=2) -> Sampler:
+    """A real Sampler over the scripted engine (no reward pool: environments score their episodes)."""
+    options = SamplingOptions(
+        group_size=group_size,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=max_tokens,
         stop_token_ids=(tokenizer.eos_token_id,),
         max_sequence_length=max_len,
-        length_shaping=lambda lengths: np.zeros(len(lengths), np.float32),
     )
+    renderer = make_prompt_renderer(tokenizer, template="{prompt}", chat_template=False)
+    engine = ScriptedEngine(tokenizer, script)
+    no_shaping = lambda lengths: np.zeros(len(lengths), np.float32)  # noqa: E731
+    return Sampler(tokenizer, engine, renderer, None, no_shaping, options)
 
 
 EXAMPLES = [{"expr": "3 + 4", "answer": "7"}, {"expr": "6 * 7", "answer": "42"}]
@@ -70,8 +74,8 @@ def answer_script(answers):
 
 
 def test_token_in_token_out_and_mask(tokenizer):
-    run = make_run(tokenizer, answer_script(["7", "41"]))  # one answer per request
-    groups, metrics = generate_multi_turn_groups(run, EXAMPLES, seed=0, spec=SPEC)
+    sampler = make_sampler(tokenizer, answer_script(["7", "41"]))  # one answer per request
+    groups, metrics = generate_multi_turn_groups(sampler, EXAMPLES, seed=0, spec=SPEC)
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     for g, ex in zip(groups, EXAMPLES, strict=True):
         for t in g.trajectories:
@@ -86,7 +90,7 @@ def test_token_in_token_out_and_mask(tokenizer):
     assert [list(g.rewards) for g in groups] == [[1.0, 1.0], [0.0, 0.0]]
     assert metrics["env/tool_calls"] == 4 and metrics["env/turns_mean"] == 2.0
     assert metrics["env/tool_errors"] == 0 and metrics["env/tool_timeouts"] == 0
-    calls = run.engine.calls
+    calls = sampler.engine.calls
     assert [c["n"] for c in calls] == [2, 2]  # equal histories share one request (same tool output here)
     assert calls[0]["stop"] == (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("</tool_call>"))
     traj = groups[0].trajectories[0]
@@ -104,9 +108,11 @@ def test_token_in_token_out_and_mask(tokenizer):
 
 def test_max_turns_truncates_and_flags(tokenizer):
     always_call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 1"}}</tool_call>'
-    run = make_run(tokenizer, lambda turn: '"}}</tool_call>' if turn == 0 else always_call, max_tokens=64)
+    sampler = make_sampler(
+        tokenizer, lambda turn: '"}}</tool_call>' if turn == 0 else always_call, max_tokens=64
+    )
     spec = EnvSpec(ToolMathEnv, EpisodeLimits(max_turns=3))
-    groups, metrics = generate_multi_turn_groups(run, EXAMPLES[:1], seed=0, spec=spec)
+    groups, metrics = generate_multi_turn_groups(sampler, EXAMPLES[:1], seed=0, spec=spec)
     t = groups[0].trajectories[0]
     assert t.truncated and metrics["env/truncated_max_turns"] == 2 and metrics["env/turns_mean"] == 3
     assert t.completion_mask[-1] == 1  # the last turn's observation was not appended
@@ -114,23 +120,23 @@ def test_max_turns_truncates_and_flags(tokenizer):
 
 
 def test_max_total_tokens_truncates(tokenizer):
-    probe = make_run(tokenizer, answer_script(["7", "7"]))
+    probe = make_sampler(tokenizer, answer_script(["7", "7"]))
     prompt_len = len(tokenizer(ToolMathEnv().reset(EXAMPLES[0]), add_special_tokens=False)["input_ids"])
     # room for the first turn but not for the tool response after it
-    run = make_run(tokenizer, answer_script(["7", "7"]), max_len=prompt_len + 10)
-    groups, metrics = generate_multi_turn_groups(run, EXAMPLES[:1], seed=0, spec=SPEC)
+    sampler = make_sampler(tokenizer, answer_script(["7", "7"]), max_len=prompt_len + 10)
+    groups, metrics = generate_multi_turn_groups(sampler, EXAMPLES[:1], seed=0, spec=SPEC)
     assert metrics["env/truncated_max_tokens"] == 2 and metrics["env/tool_output_tokens"] == 0
     assert all(t.truncated and all(m == 1 for m in t.completion_mask) for t in groups[0].trajectories)
-    assert probe.max_sequence_length == 512
-    tight = make_run(tokenizer, answer_script([]), max_len=prompt_len + 3)  # the first turn gets 3 tokens
+    assert probe.options.max_sequence_length == 512
+    tight = make_sampler(tokenizer, answer_script([]), max_len=prompt_len + 3)  # the first turn gets 3 tokens
     groups, metrics = generate_multi_turn_groups(tight, EXAMPLES[:1], seed=0, spec=SPEC)
     assert tight.engine.calls[0]["max_tokens"] == 3 and metrics["env/truncated_max_tokens"] == 2
     assert all(len(t.completion_ids) == 3 for t in groups[0].trajectories)
 
 
 def test_turn_length_limit_ends_episode(tokenizer):
-    run = make_run(tokenizer, lambda turn: " the answer is seven, I think" * 3, max_tokens=5)
-    groups, metrics = generate_multi_turn_groups(run, EXAMPLES[:1], seed=0, spec=SPEC)
+    sampler = make_sampler(tokenizer, lambda turn: " the answer is seven, I think" * 3, max_tokens=5)
+    groups, metrics = generate_multi_turn_groups(sampler, EXAMPLES[:1], seed=0, spec=SPEC)
     assert metrics["env/truncated_turn_length"] == 2 and metrics["env/turns_mean"] == 1
     assert all(t.truncated and len(t.completion_ids) == 5 for t in groups[0].trajectories)
 
@@ -150,10 +156,10 @@ class FaultyEnv(ToolMathEnv):
 
 def test_env_faults_do_not_stall_the_rollout(tokenizer):
     examples = [{"expr": "hang", "answer": "0"}, {"expr": "boom", "answer": "0"}, EXAMPLES[0]]
-    run = make_run(tokenizer, answer_script(["7", "7"]))
+    sampler = make_sampler(tokenizer, answer_script(["7", "7"]))
     spec = EnvSpec(FaultyEnv, EpisodeLimits(step_timeout_s=0.5))
     try:
-        groups, metrics = generate_multi_turn_groups(run, examples, seed=0, spec=spec)
+        groups, metrics = generate_multi_turn_groups(sampler, examples, seed=0, spec=spec)
     finally:
         FaultyEnv.gate.set()
     assert metrics["env/tool_timeouts"] == 2 and metrics["env/step_errors"] == 2
@@ -165,8 +171,8 @@ def test_env_faults_do_not_stall_the_rollout(tokenizer):
 def test_malformed_call_gets_an_error_observation(tokenizer):
     retry = '<tool_call>{"name": "calculator", "arguments": {"expression": "3 + 4"}}</tool_call>'
     script = lambda turn: ["}</tool_call>", retry, " 7<|im_end|>"][turn]  # noqa: E731
-    run = make_run(tokenizer, script, group_size=1, max_tokens=64)
-    groups, metrics = generate_multi_turn_groups(run, EXAMPLES[:1], seed=0, spec=EnvSpec(ToolMathEnv))
+    sampler = make_sampler(tokenizer, script, group_size=1, max_tokens=64)
+    groups, metrics = generate_multi_turn_groups(sampler, EXAMPLES[:1], seed=0, spec=EnvSpec(ToolMathEnv))
     assert metrics["env/malformed_calls"] == 1 and metrics["env/tool_errors"] == 1
     text = tokenizer.decode(list(groups[0].trajectories[0].completion_ids), skip_special_tokens=False)
     assert "malformed tool call" in text and metrics["env/turns_mean"] == 3

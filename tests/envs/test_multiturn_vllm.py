@@ -19,9 +19,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from rljax.data import make_prompt_renderer
 from rljax.envs import ENVS, generate_multi_turn_groups
 from rljax.envs.math_env import TOOL_RESPONSE, ToolMathEnv
 from rljax.envs.tools import calculator_tool
+from rljax.sampling import Sampler, SamplingOptions
 from rljax.trajectory import build_loss_inputs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -94,18 +96,20 @@ def served(tmp_path_factory):
         engine.close()
 
 
-def _run_like(served, tok, group_size=4):
-    rollout = SimpleNamespace(
-        group_size=group_size, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, env="calculator_math"
-    )
-    return SimpleNamespace(
-        cfg=SimpleNamespace(rollout=rollout),
-        tokenizer=tok,
-        engine=served.engine,
+def _sampler(served, tok, group_size=4) -> Sampler:
+    """A real Sampler over the served engine (environments score their own episodes: no reward pool)."""
+    options = SamplingOptions(
+        group_size=group_size,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=16,
         stop_token_ids=(tok.eos_token_id,),
         max_sequence_length=512,
-        length_shaping=lambda lengths: np.zeros(len(lengths), np.float32),
     )
+    renderer = make_prompt_renderer(tok, template="{prompt}", chat_template=False)
+    no_shaping = lambda lengths: np.zeros(len(lengths), np.float32)  # noqa: E731
+    return Sampler(tok, served.engine, renderer, None, no_shaping, options)
 
 
 def test_token_in_token_out_with_real_vllm(served):
@@ -114,8 +118,8 @@ def test_token_in_token_out_with_real_vllm(served):
 
     tok = transformers.AutoTokenizer.from_pretrained(served.path)
     examples = [{"expr": f"{a} + {b}", "answer": str(a + b)} for a, b in ((1, 2), (3, 4), (2, 2), (4, 0))]
-    run = _run_like(served, tok)
-    groups, metrics = generate_multi_turn_groups(run, examples, seed=7, spec=ENVS.get("calculator_math"))
+    sampler = _sampler(served, tok)
+    groups, metrics = generate_multi_turn_groups(sampler, examples, seed=7, spec=ENVS.get("calculator_math"))
     assert metrics["env/tool_calls"] >= 8, metrics  # the tool path ran for real on most episodes
     ref = TorchReference(served.path)
     checked = 0

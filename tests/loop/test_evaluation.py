@@ -1,7 +1,5 @@
 """Evaluation switches: `trainer.eval_every` 0 or `data.eval_size` 0 turn eval off entirely."""
 
-import types
-
 import pytest
 from mp_trainer_common import with_fields
 
@@ -31,9 +29,9 @@ def test_switched_off_evaluator_starts_no_verifier(monkeypatch):
 
     monkeypatch.setattr(rljax.rewards, "RewardPool", lambda *a, **k: pytest.fail("a verifier was started"))
     for fields in ({"trainer__eval_every": 0}, {"data__eval_size": 0}):
-        run = types.SimpleNamespace(cfg=with_fields(Config(), **fields))
-        evaluate = evaluation.make_evaluator(run, [{"prompt": "1+1"}])
-        assert evaluate() == {}
+        # With evaluation off the sampler is never used: no prompt is encoded, nothing generated.
+        evaluate = evaluation.make_evaluator(with_fields(Config(), **fields), None, [{"prompt": "1+1"}])
+        assert evaluate is evaluation.NO_EVAL and evaluate() == {}
         evaluate.close()
 
 

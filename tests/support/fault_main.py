@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from rljax import trainer
 
-_make_update = trainer.make_update
+_make_update = trainer.make_family_update  # the loop builds its update through this
 
 
 def make_update(*args, **kwargs):
@@ -28,7 +28,7 @@ def make_update(*args, **kwargs):
     return poisoned
 
 
-trainer.make_update = make_update
+trainer.make_family_update = make_update
 
 if __name__ == "__main__":
     from rljax.main import run

@@ -12,6 +12,7 @@ from rljax.loop import train
 from rljax.loop.train import mfu_metrics
 from rljax.metrics import peak_flops
 from rljax.trainer.flops import matmul_params, update_flops
+from rljax.trainer.state import TrainState
 
 MC = types.SimpleNamespace(
     num_layers=2, num_heads=4, head_dim=8, vocab_size=100, hidden_size=16, tie_word_embeddings=False
@@ -39,10 +40,10 @@ def test_update_flops_counts_each_pass():
     assert update_flops(on_policy, MC, n, tokens, t, critic=True) == tokens * (2 * train + 2 * fwd)
 
 
-def fake_run(peak: float):
+def mfu(peak: float, batch, update_s: float) -> dict:
     cfg = with_fields(Config(), metrics__peak_flops_per_device=peak)
-    state = types.SimpleNamespace(params=PARAMS, critic_params=None)
-    return types.SimpleNamespace(cfg=cfg, state=state, model_config=MC)
+    state = TrainState(step=np.int32(0), params=PARAMS, opt_state=(), nonfinite_count=np.int32(0))
+    return mfu_metrics(cfg, MC, state, batch, update_s)
 
 
 def test_mfu_against_the_configured_peak_and_left_out_on_cpu(monkeypatch):
@@ -51,7 +52,7 @@ def test_mfu_against_the_configured_peak_and_left_out_on_cpu(monkeypatch):
     batch = types.SimpleNamespace(segment_ids=segments)
     n = matmul_params(PARAMS, MC)
     want = update_flops(Config(), MC, n, 32.0, 32) / (0.5 * 1e9 * jax.device_count())
-    assert mfu_metrics(fake_run(1e9), batch, update_s=0.5) == {"perf/mfu": pytest.approx(want)}
+    assert mfu(1e9, batch, update_s=0.5) == {"perf/mfu": pytest.approx(want)}
     # No datasheet peak for a CPU ("cpu" is not in PEAK_BF16_FLOPS): left out unless configured.
     monkeypatch.setattr(train, "peak_flops", lambda kind: peak_flops("cpu"))
-    assert mfu_metrics(fake_run(0.0), batch, update_s=0.5) == {}
+    assert mfu(0.0, batch, update_s=0.5) == {}
