@@ -86,3 +86,81 @@ def test_slice_buckets_round_trip_through_the_wire_and_assemble(tmp_path):
     np.testing.assert_array_equal(out, full)
     with pytest.raises(ValueError, match="pushed twice"):
         list(stage_buckets(items + items[:1], bucket_bytes=1 << 20, directory=tmp_path, spec=spec))
+
+
+def _config(family: str, tied: bool):
+    from rljax import models
+
+    return models.ModelConfig(
+        family=family,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tied,
+        attention_bias=family == "qwen2",
+    )
+
+
+@pytest.mark.parametrize(
+    "family,tied", [("qwen2", True), ("qwen2", False), ("llama", True), ("llama", False)]
+)
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (1, 1, 8), (1, 4, 2), (2, 2, 2)])
+def test_owned_hf_slices_tile_every_hf_tensor_exactly_once(family, tied, mesh_shape):
+    """fsdp=8, tensor=8 (kv heads replicated over it), fsdp x tensor, data x fsdp x tensor (replicas
+    over data): every element of every HF tensor is staged once, equal to the unsharded conversion, and
+    the staged bytes are the model's bytes in the serving dtype."""
+    from rljax import models
+    from rljax.loop.distributed import cast_params
+    from rljax.sharding import logical_to_sharding, make_mesh
+
+    config = _config(family, tied)
+    mesh = make_mesh(*mesh_shape)
+    params = models.init_params(config, jax.random.key(0))
+    shardings = logical_to_sharding(models.param_logical_axes(config), mesh)
+    sharded = jax.device_put(params, shardings)
+    ref = dict(models.iter_hf_tensors(config, jax.tree.map(np.asarray, params), "bfloat16"))
+    count = {k: np.zeros(v.shape, np.int32) for k, v in ref.items()}
+    rebuilt = {k: np.zeros_like(v) for k, v in ref.items()}
+    staged = 0
+    for name, piece, index in models.iter_owned_hf_slices(
+        config, cast_params(sharded, "bfloat16"), "bfloat16"
+    ):
+        where = (
+            tuple(slice(None) for _ in piece.shape) if index is None else tuple(slice(a, b) for a, b in index)
+        )
+        assert piece.dtype == ref[name].dtype
+        count[name][where] += 1
+        rebuilt[name][where] = piece
+        staged += piece.nbytes
+    for k in ref:
+        np.testing.assert_array_equal(count[k], 1, err_msg=k)
+        np.testing.assert_array_equal(rebuilt[k], ref[k], err_msg=k)
+    assert staged == sum(v.nbytes for v in ref.values())
+    assert ("lm_head.weight" in ref) == (not tied)
+
+
+def test_a_cut_head_dim_splits_a_merged_hf_dim_into_rows():
+    """A block that cuts an inner merged dim (head_dim of q_proj) is not one HF range: one piece per
+    head, still exactly covering the block."""
+    from rljax import models
+    from rljax.models.params import hf_blocks
+
+    config = _config("llama", True)
+    (e,) = [e for e in models.param_entries(config) if e.path == ("layers", "q_proj", "kernel")]
+    full = np.arange(np.prod(e.shape), dtype=np.float32).reshape(e.shape)  # [d, H, hd]
+    hf = e.to_hf(full)  # [H*hd, d]
+    count = np.zeros(hf.shape, np.int32)
+    for lo in (0, 4):  # head_dim cut in halves, d cut in halves
+        for d0 in (0, 16):
+            index = (slice(d0, d0 + 16), slice(0, 8), slice(lo, lo + 4))
+            pieces = hf_blocks(e, index, full[index])
+            assert len(pieces) == 8  # one per head
+            for hf_index, piece in pieces:
+                where = tuple(slice(a, b) for a, b in hf_index)
+                count[where] += 1
+                np.testing.assert_array_equal(piece, hf[where])
+    np.testing.assert_array_equal(count, 1)
