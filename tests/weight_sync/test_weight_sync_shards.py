@@ -164,3 +164,28 @@ def test_a_cut_head_dim_splits_a_merged_hf_dim_into_rows():
                 count[where] += 1
                 np.testing.assert_array_equal(piece, hf[where])
     np.testing.assert_array_equal(count, 1)
+
+
+def test_the_on_device_cast_before_staging_has_no_collective_in_its_hlo():
+    """The one jitted op of the sharded sync path (float32 masters -> bfloat16 on each shard's device)
+    compiles to no all-gather or other collective on an fsdp x tensor mesh: each device casts its own
+    shards (per-device output = its own shards, half their bytes)."""
+    from rljax import models
+    from rljax.loop import distributed
+    from rljax.sharding import logical_to_sharding, make_mesh
+
+    config = _config("qwen2", False)
+    mesh = make_mesh(1, 4, 2)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        models.abstract_params(config),
+        logical_to_sharding(models.param_logical_axes(config), mesh),
+    )
+    compiled = distributed._cast.lower(abstract, jnp.dtype("bfloat16")).compile()
+    text = compiled.as_text()
+    for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
+        assert op not in text
+    mem = compiled.memory_analysis()
+    model_bytes = sum(x.size * 4 for x in jax.tree.leaves(abstract))
+    assert mem.output_size_in_bytes <= 0.55 * mem.argument_size_in_bytes  # bf16: half (+ buffer alignment)
+    assert mem.argument_size_in_bytes < model_bytes / 2  # its own shards, not a copy of the model
