@@ -189,3 +189,46 @@ def test_the_on_device_cast_before_staging_has_no_collective_in_its_hlo():
     model_bytes = sum(x.size * 4 for x in jax.tree.leaves(abstract))
     assert mem.output_size_in_bytes <= 0.55 * mem.argument_size_in_bytes  # bf16: half (+ buffer alignment)
     assert mem.argument_size_in_bytes < model_bytes / 2  # its own shards, not a copy of the model
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (1, 2, 4)])
+def test_fused_params_split_across_hf_tensors_tile_them_exactly_once(mesh_shape):
+    """A decoder with fused q/k/v and gate/up params (examples/fused_qwen.py): each shard of the fused
+    gate/up axis (split over tensor) lands in the HF tensor(s) its range covers; q/k/v split by part."""
+    import dataclasses
+
+    from rljax import models
+    from rljax.sharding import logical_to_sharding, make_mesh
+
+    config = dataclasses.replace(_config("qwen2", False), decoder="examples.fused_qwen:FusedQwen2")
+    mesh = make_mesh(*mesh_shape)
+    params = models.init_params(config, jax.random.key(1))
+    sharded = jax.device_put(params, logical_to_sharding(models.param_logical_axes(config), mesh))
+    ref = dict(models.iter_hf_tensors(config, jax.tree.map(np.asarray, params)))
+    count = {k: np.zeros(v.shape, np.int32) for k, v in ref.items()}
+    for name, piece, index in models.iter_owned_hf_slices(config, sharded):
+        where = (
+            tuple(slice(None) for _ in piece.shape) if index is None else tuple(slice(a, b) for a, b in index)
+        )
+        count[name][where] += 1
+        np.testing.assert_array_equal(piece, ref[name][where], err_msg=name)
+    for k in ref:
+        np.testing.assert_array_equal(count[k], 1, err_msg=k)
+
+
+def test_a_block_straddling_two_fused_parts_lands_in_both():
+    import dataclasses
+
+    from rljax import models
+    from rljax.models.params import hf_blocks
+
+    config = dataclasses.replace(_config("qwen2", False), decoder="examples.fused_qwen:FusedQwen2")
+    entries = [e for e in models.param_entries(config) if e.path == ("blocks", "gate_up", "kernel")]
+    full = np.arange(np.prod(entries[0].shape), dtype=np.float32).reshape(entries[0].shape)  # [d, 2F]
+    index = (slice(0, 32), slice(48, 80))  # F = 64: 16 columns of gate, 16 of up
+    got = {e.hf_name: hf_blocks(e, index, full[index]) for e in entries}
+    assert sorted(len(v) for v in got.values()) == [1, 1]
+    for e in entries:
+        ((hf_index, piece),) = got[e.hf_name]
+        assert piece.shape == (16, 32)
+        np.testing.assert_array_equal(piece, e.to_hf(full)[tuple(slice(a, b) for a, b in hf_index)])
