@@ -126,11 +126,14 @@ class Bucket:
     index: int
     entries: list[wire.TensorEntry]
     nbytes: int
+    owned: bool = True  # False: another process staged it (sharded staging) and removes it itself
 
     def update_info(self, *, copy: bool) -> dict:
         return wire.update_info(self.path, self.index, self.entries, copy=copy)
 
     def unlink(self) -> None:
+        if not self.owned:
+            return
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -149,14 +152,14 @@ class Bucket:
     @staticmethod
     def from_descriptor(d: dict) -> Bucket:
         entries = [wire.TensorEntry.from_wire(t) for t in d["tensors"]]
-        return Bucket(str(d["path"]), int(d["index"]), entries, int(d["nbytes"]))
+        return Bucket(str(d["path"]), int(d["index"]), entries, int(d["nbytes"]), owned=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class StagedBuckets:
-    """Buckets already staged by every process of a job (sharded staging), pushed as they are: the
-    syncer stages nothing and leaves the files to the processes that wrote them. `per_process` is each
-    process's staged bytes."""
+    """Buckets already staged by every process of a job (sharded staging): `stage_buckets` (and so
+    `WeightSyncer.sync`) passes them on as they are, and their files are left to the processes that
+    wrote them (`Bucket.owned` False). `per_process` is each process's staged tensor bytes."""
 
     buckets: list[Bucket]
     per_process: tuple[int, ...] = ()
@@ -259,6 +262,9 @@ def stage_buckets(
     written is removed; buckets already yielded belong to the caller. Buckets are numbered from
     `first_index`.
     """
+    if isinstance(tensors, StagedBuckets):  # staged already, by every process of the job
+        yield from tensors.buckets
+        return
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     prefix = prefix or f"bucket-{uuid.uuid4().hex[:8]}"

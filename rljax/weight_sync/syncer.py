@@ -43,7 +43,6 @@ from rljax.weight_sync.staging import (
     DEFAULT_STAGING_DIR,
     Bucket,
     RunDir,
-    StagedBuckets,
     stage_buckets,
     sweep_stale_run_dirs,
 )
@@ -202,10 +201,7 @@ class WeightSyncer:
         t0 = time.perf_counter()
         staged: list[Bucket] = []
         try:
-            if isinstance(tensors, StagedBuckets):  # sharded: staged by every process, left to them
-                self._check_complete(tensors.buckets)
-                source = list(tensors.buckets)
-            elif self.options.prestage:
+            if self.options.prestage:
                 staged = self._checked(lambda: list(self._stage(tensors)))
                 self._check_complete(staged)
                 source: Iterable[Bucket] = staged
