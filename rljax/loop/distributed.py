@@ -331,3 +331,25 @@ def _follow_canary(fn: Callable) -> None:
         if not int(req["more"][0]):
             return
         fn(req["prompt"].tolist(), req["completion"].tolist())
+
+
+def single_host() -> bool:
+    """True when every process of the job runs on this host (hostnames compared through the
+    jax.distributed key-value store; every process calls it once, at start-up). Sharded staging writes
+    each process's buckets to its own host, so the leader can hand them all to the engine only then;
+    across trainer hosts the sync gathers (`host_params`) until a bucket server runs on every host."""
+    import json
+    import socket
+
+    if jax.process_count() == 1:
+        return True
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    key = f"rljax/host/{jax.process_index()}"
+    client.key_value_set(key, json.dumps(socket.gethostname()), allow_overwrite=True)
+    names = {
+        client.blocking_key_value_get(f"rljax/host/{p}", _SHARE_TIMEOUT_MS)
+        for p in range(jax.process_count())
+    }
+    return len(names) == 1

@@ -20,7 +20,7 @@ import numpy as np
 
 from rljax import kernels, models, trainer
 from rljax.config import Config, canary_tolerance, serving_dtype
-from rljax.loop.distributed import host_params, is_leader, push_sharded, to_host
+from rljax.loop.distributed import host_params, is_leader, push_sharded, single_host, to_host
 from rljax.loop.recovery import FaultPlan, call_with_recovery, kill_halfway, kill_when_running
 from rljax.rollout import ClientOptions, RolloutError, VLLMEngine, placement
 from rljax.rollout.auth import read_token_file
@@ -296,7 +296,7 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
     canary = make_canary_logprobs(cfg, model_config, mesh, data_parallel)
     vc, ws = cfg.rollout.vllm, cfg.rollout.weight_sync
     stager = None
-    if jax.process_count() > 1:  # sharded staging: each process writes the shards it owns
+    if jax.process_count() > 1 and single_host():  # sharded staging: each process writes its own shards
         stager = ShardStager(
             DEFAULT_STAGING_DIR,
             bucket_bytes=ws.bucket_mb * 2**20,
