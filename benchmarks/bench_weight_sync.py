@@ -19,6 +19,16 @@ Variants (`--variants`), run in interleaved rounds (`--repeats`) with a reload i
 layer through vLLM's layerwise reload: what the pause was before the direct in-place load).
 `--dtype bfloat16` serves in bf16 from the float32 masters (cast on device before staging: half the bytes);
 staged bytes per process are printed, and with `--json FILE` written with `model_bytes` (serving dtype).
+
+Sharded staging across processes (`--processes P --devices-per-process D --servers S`, P > 1): the bench
+starts S servers, then runs itself as P JAX processes (jax.distributed on localhost, D CPU devices each,
+the params loaded into `mesh.fsdp = P * D`); every sync is the loop's own `LoopEngine.push_weights`:
+each process stages only the shards it owns, process 0 pushes every bucket (shm, or tcp from this one
+trainer host). Prints per-process staged bytes, bytes this trainer host sends over tcp per push, and the
+pause / sync times against vLLM's own reload (medians). E.g.
+
+    .venv/bin/python benchmarks/bench_weight_sync.py --gb 0.2 --processes 2 --devices-per-process 4 \
+        --dtype bfloat16 --servers 1 --repeats 2 --variants shm,tcp --json /tmp/ws.json
 """
 
 from __future__ import annotations
@@ -153,6 +163,10 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/rljax_bench_weight_sync")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="serving dtype")
     ap.add_argument("--json", default="", help="also write model_bytes and staged_bytes_per_process here")
+    ap.add_argument("--processes", type=int, default=1, help="trainer processes (jax.distributed)")
+    ap.add_argument("--devices-per-process", type=int, default=1, help="CPU devices per trainer process")
+    ap.add_argument("--servers", type=int, default=1, help="vLLM servers (replicas) pushed to")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "ID,PORT": one trainer process
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
@@ -161,6 +175,14 @@ def main() -> None:
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.worker:
+        from bench_ws_sharded import run_worker
+
+        return run_worker(args, VARIANTS)
+    if args.processes > 1:
+        from bench_ws_sharded import run_sharded
+
+        return run_sharded(args, variants, build_checkpoint, Probe, vllm_reload_seconds)
     import dataclasses
 
     import jax

@@ -20,13 +20,14 @@ import numpy as np
 
 from rljax import kernels, models, trainer
 from rljax.config import Config, canary_tolerance, serving_dtype
-from rljax.loop.distributed import host_params, is_leader, to_host
+from rljax.loop.distributed import host_params, is_leader, push_sharded, single_host, to_host
 from rljax.loop.recovery import FaultPlan, call_with_recovery, kill_halfway, kill_when_running
 from rljax.rollout import ClientOptions, RolloutError, VLLMEngine, placement
 from rljax.rollout.auth import read_token_file
 from rljax.rollout.server import options_from_config
 from rljax.trajectory import Trajectory, build_loss_inputs
 from rljax.weight_sync import SyncOptions
+from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, ShardStager
 
 RECOVERY_METRICS = (
     "recovery/restarts",
@@ -125,8 +126,10 @@ class LoopEngine:
         max_restarts: int = 0,
         faults: FaultPlan | None = None,
         dtype: str | None = None,
+        stager=None,
     ):
         self._engine, self._model_config, self._canary = engine, model_config, canary_logprobs
+        self._stager = stager  # multi-process: this process's `ShardStager` (sharded staging)
         self._dtype = dtype  # the serving dtype: params are cast to it on device before staging
         self._max_restarts, self._faults = max_restarts, faults or FaultPlan()
         self._lock = threading.RLock()  # one recovery (or push) at a time
@@ -205,7 +208,42 @@ class LoopEngine:
         # the leader alone scores canary tokens, on one local device, from the gathered weights
         return functools.partial(local_logprobs, self._model_config, host)
 
+    def _push_sharded(self, params, version: int) -> dict:
+        """Multi-process: every process stages the shards it owns, the leader pushes them all in one
+        update, the canary runs the sharded log-prob function (`distributed.push_sharded`)."""
+
+        def push(staged, logprobs) -> dict:
+            with self._lock:
+                pushed: dict[str, dict] = {}
+
+                def op():
+                    if "metrics" in pushed:
+                        return pushed["metrics"]
+                    return self._engine.push_weights(staged, version, trainer_logprobs=logprobs)
+
+                def recover():
+                    pushed["metrics"] = self._engine.recover(staged, version, trainer_logprobs=logprobs)
+                    self._epoch += 1
+
+                return self._with_recovery(op, recover, "weight sync")
+
+        self._faults.next_call("sync")  # mid-sync kills are injected in single-process runs only
+        metrics = push_sharded(
+            params,
+            model_config=self._model_config,
+            dtype=self._dtype,
+            stager=self._stager,
+            canary=self._canary,
+            push=push if self._engine is not None else None,
+        )
+        if self._max_restarts > 0:  # a recovery outside a push re-pushes a gathered copy (not the sync path)
+            host = host_params(params, self._dtype)
+            self._current = (host, version) if self._engine is not None else None
+        return metrics | self._drain_stats() if self._engine is not None else {}
+
     def push_weights(self, params, version: int) -> dict:
+        if self._stager is not None and jax.process_count() > 1:
+            return self._push_sharded(params, version)
         host = host_params(
             params, self._dtype
         )  # a collective in multi-process runs: every process calls this
@@ -246,6 +284,8 @@ class LoopEngine:
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
+        if self._stager is not None:
+            self._stager.close()
         if self.unpin_cpus:  # the trainer's threads get back the cores they had before the server started
             placement.pin_process(self.unpin_cpus)
 
@@ -254,9 +294,19 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
     """The configured vLLM servers (`rollout.vllm.num_servers` started, or connected by URL, on the leader);
     logs in `workdir/vllm/replica_<i>/`."""
     canary = make_canary_logprobs(cfg, model_config, mesh, data_parallel)
-    if not is_leader():
-        return LoopEngine(None, model_config, canary, dtype=serving_dtype(cfg))
     vc, ws = cfg.rollout.vllm, cfg.rollout.weight_sync
+    stager = None
+    if jax.process_count() > 1 and single_host():  # sharded staging: each process writes its own shards
+        stager = ShardStager(
+            DEFAULT_STAGING_DIR,
+            bucket_bytes=ws.bucket_mb * 2**20,
+            checksums=ws.checksums,
+            spec=models.hf_tensor_specs(model_config, serving_dtype(cfg)),
+        )
+    if not is_leader():
+        return LoopEngine(
+            None, model_config, canary, dtype=serving_dtype(cfg), stager=stager, max_restarts=vc.max_restarts
+        )
     client = ClientOptions(
         no_progress_timeout_s=vc.no_progress_timeout_s,
         max_retries=vc.max_retries,
@@ -299,6 +349,7 @@ def make_engine(cfg: Config, workdir: str, model_config, mesh, data_parallel: in
         max_restarts=vc.max_restarts,
         faults=FaultPlan.from_env(),
         dtype=serving_dtype(cfg),
+        stager=stager,
     )
     if place.trainer_cpus:  # after the server started: its processes keep the cores they were given
         loop_engine.unpin_cpus = placement.allowed_cpus()  # restored by close()

@@ -13,6 +13,7 @@ from rljax.models.decoder import Decoder
 from rljax.models.hf import (
     hf_tensor_specs,
     iter_hf_tensors,
+    iter_owned_hf_slices,
     load_hf_checkpoint,
     load_tokenizer,
     save_hf_checkpoint,
@@ -57,6 +58,7 @@ __all__ = [
     "init_cache",
     "init_params",
     "iter_hf_tensors",
+    "iter_owned_hf_slices",
     "load_hf_checkpoint",
     "load_tokenizer",
     "logits_from_hidden",

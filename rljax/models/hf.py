@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from rljax.models.config import ModelConfig
 from rljax.models.model import param_entries, param_logical_axes
-from rljax.models.params import ParamEntry, get_path, nest_paths
+from rljax.models.params import ParamEntry, get_path, hf_blocks, nest_paths
 from rljax.sharding import logical_to_sharding
 
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -78,6 +78,51 @@ def iter_hf_tensors(config: ModelConfig, params: dict, dtype: Any = None) -> Ite
         x = np.asarray(x) if _in_host_memory(x) else x
         part = e.take_part(x if layer is None else x[layer])
         yield hf, e.part_to_hf(np.asarray(part)).astype(np_dtype, copy=False)
+
+
+def iter_owned_hf_slices(
+    config: ModelConfig, params: dict, dtype: Any = None
+) -> Iterator[tuple[str, np.ndarray, tuple[tuple[int, int], ...] | None]]:
+    """Sharded staging: `(hf_name, array, hf_index)` for the shards of `params` that this process owns,
+    in HF layout and `dtype` (default `config.param_dtype`; cast on device first, e.g. with
+    `loop.distributed.cast_params`, so only serving-dtype bytes leave the device).
+
+    A shard is owned by the device holding its replica 0 (`replica_id == 0`), so across every process of
+    a job each element of every HF tensor is yielded exactly once. `hf_index` is the piece's
+    `((start, stop), ...)` in the full HF tensor, None when the piece is the whole tensor. Each shard is
+    copied from its own device to the host on its own (no all-gather, no other device involved); a
+    stacked layer shard `[l0:l1, ...]` gives per-layer pieces `model.layers.{l}....`.
+    """
+    np_dtype = jnp.dtype(dtype or config.param_dtype)
+    by_path: dict[tuple, list[ParamEntry]] = {}
+    for e in param_entries(config):
+        by_path.setdefault(e.path, []).append(e)
+    for path, entries in by_path.items():
+        for index, data in _owned_blocks(get_path(params, path)):
+            layers = [(None, index, data)]
+            if entries[0].per_layer:
+                l0, l1 = index[0].start, index[0].stop
+                layers = [(i, index[1:], data[i - l0]) for i in range(l0, l1)]
+            for layer, idx, block in layers:
+                for e in entries:
+                    name = e.hf_name if layer is None else e.hf_name.format(layer)
+                    for hf_index, piece in hf_blocks(e, idx, block):
+                        whole = all(a == 0 and b == n for (a, b), n in zip(hf_index, e.hf_shape, strict=True))
+                        yield name, piece.astype(np_dtype, copy=False), None if whole else hf_index
+
+
+def _owned_blocks(x: Any) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
+    """`(index, host data)` of each addressable shard of `x` whose `replica_id` is 0 (a numpy array: one
+    block, the whole array)."""
+    if isinstance(x, np.ndarray):
+        yield tuple(slice(0, n) for n in x.shape), x
+        return
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            yield (
+                tuple(slice(*s.indices(n)[:2]) for s, n in zip(shard.index, x.shape, strict=True)),
+                np.asarray(shard.data),
+            )
 
 
 def _in_host_memory(x: Any) -> bool:

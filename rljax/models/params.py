@@ -25,6 +25,7 @@ layer axis `L` (scanned). The built-in decoder's layout (`rljax.models.decoder`)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -173,3 +174,51 @@ def get_path(params: dict, path: tuple[str, ...]) -> Any:
     for key in path:
         params = params[key]
     return params
+
+
+def hf_blocks(e: ParamEntry, index: tuple[slice, ...], block: np.ndarray) -> list[tuple[tuple, np.ndarray]]:
+    """The parts of a block of one (per-layer) param that land in `e`'s HF tensor, as rectangular slices
+    of it: `[(hf_index, piece)]`, `hf_index` `((start, stop), ...)` over `e.hf_shape`, `piece` its data.
+
+    `block` is `param[index]` (`index`: `slice(start, stop)` per dim of `e.shape`, e.g. an owned shard of
+    a sharded param, layer axis already taken). Only `e.part`'s range of the block is used (fused params
+    map to several tensors). A merged HF dim stays one range when the merged dims after the first cut one
+    are whole (every sharding rljax uses: heads, not head_dim, are split); otherwise the block is cut into
+    one piece per index of the leading dims. The pieces of all entries of all owned blocks tile every HF
+    tensor exactly once.
+    """
+    index = list(index)
+    if e.part is not None:
+        axis, start, stop = e.part
+        lo, hi = max(index[axis].start, start), min(index[axis].stop, stop)
+        if lo >= hi:
+            return []
+        cut = [slice(None)] * block.ndim
+        cut[axis] = slice(lo - index[axis].start, hi - index[axis].start)
+        block, index[axis] = block[tuple(cut)], slice(lo - start, hi - start)
+    t_shape, t_index = e.transposed_shape, [index[p] for p in e.perm]
+    t_block = np.transpose(block, e.perm)
+    choices, pos = [], 0  # per transposed dim: the list of (start, stop) ranges it is cut into
+    for g in e.groups:
+        dims = range(pos, pos + g)
+        whole = [t_index[k].start == 0 and t_index[k].stop == t_shape[k] for k in dims]
+        j = max([k for k in dims if not whole[k - pos]], default=pos)  # last cut dim of the group
+        for k in dims:
+            s = t_index[k]
+            single = k < j and s.stop - s.start > 1
+            choices.append([(i, i + 1) for i in range(s.start, s.stop)] if single else [(s.start, s.stop)])
+        pos += g
+    out = []
+    for ranges in itertools.product(*choices):
+        local = tuple(slice(a - s.start, b - s.start) for (a, b), s in zip(ranges, t_index, strict=True))
+        hf_index, shape, pos = [], [], 0
+        for g in e.groups:
+            strides = [math.prod(t_shape[k + 1 : pos + g]) for k in range(pos, pos + g)]
+            start = sum(ranges[k][0] * strides[k - pos] for k in range(pos, pos + g))
+            size = math.prod(ranges[k][1] - ranges[k][0] for k in range(pos, pos + g))
+            hf_index.append((start, start + size))
+            shape.append(size)
+            pos += g
+        assert all(b <= n for (_, b), n in zip(hf_index, e.hf_shape, strict=True))
+        out.append((tuple(hf_index), np.ascontiguousarray(t_block[local]).reshape(shape)))
+    return out

@@ -126,15 +126,87 @@ class Bucket:
     index: int
     entries: list[wire.TensorEntry]
     nbytes: int
+    owned: bool = True  # False: another process staged it (sharded staging) and removes it itself
 
     def update_info(self, *, copy: bool) -> dict:
         return wire.update_info(self.path, self.index, self.entries, copy=copy)
 
     def unlink(self) -> None:
+        if not self.owned:
+            return
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+    def descriptor(self) -> dict:
+        """JSON-able metadata (no tensor bytes) another process pushes this bucket with: path, index, size,
+        entries (name, dtype, block shape, offset, nbytes, crc32, slice of the full tensor)."""
+        return {
+            "path": self.path,
+            "index": self.index,
+            "nbytes": self.nbytes,
+            "tensors": [e.to_wire() for e in self.entries],
+        }
+
+    @staticmethod
+    def from_descriptor(d: dict) -> Bucket:
+        entries = [wire.TensorEntry.from_wire(t) for t in d["tensors"]]
+        return Bucket(str(d["path"]), int(d["index"]), entries, int(d["nbytes"]), owned=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedBuckets:
+    """Buckets already staged by every process of a job (sharded staging): `stage_buckets` (and so
+    `WeightSyncer.sync`) passes them on as they are, and their files are left to the processes that
+    wrote them (`Bucket.owned` False). `per_process` is each process's staged tensor bytes."""
+
+    buckets: list[Bucket]
+    per_process: tuple[int, ...] = ()
+
+
+class ShardStager:
+    """One process's bucket writer for sharded staging: `stage(items, first_index)` writes `(hf_name,
+    array, hf_index)` items (`rljax.models.iter_owned_hf_slices`) into bucket files in this process's own
+    run directory under `staging_dir` and returns them, numbered from `first_index` (distinct per
+    process, so one update can list every process's buckets). `close()` removes the directory."""
+
+    def __init__(self, staging_dir: str, *, bucket_bytes: int, checksums: bool, spec: dict | None):
+        self.staging_dir, self.bucket_bytes, self.checksums, self.spec = (
+            staging_dir,
+            bucket_bytes,
+            checksums,
+            spec,
+        )
+        sweep_stale_run_dirs(staging_dir)
+        self._run_dir: RunDir | None = None
+        self.staged_bytes = 0
+
+    def stage(self, items: Iterable[tuple], first_index: int) -> list[Bucket]:
+        if self._run_dir is None:
+            self._run_dir = RunDir(self.staging_dir)
+        out: list[Bucket] = []
+        gen = stage_buckets(
+            items,
+            bucket_bytes=self.bucket_bytes,
+            directory=self._run_dir.path,
+            checksums=self.checksums,
+            spec=self.spec,
+            first_index=first_index,
+        )
+        try:
+            out.extend(gen)
+        except BaseException:
+            for b in out:
+                b.unlink()
+            raise
+        self.staged_bytes = sum(e.nbytes for b in out for e in b.entries)  # tensor bytes, last stage()
+        return out
+
+    def close(self) -> None:
+        if self._run_dir is not None:
+            self._run_dir.close()
+            self._run_dir = None
 
 
 def wire_dtype(array: np.ndarray) -> str:
@@ -178,6 +250,7 @@ def stage_buckets(
     prefix: str | None = None,
     checksums: bool = False,
     spec: dict | None = None,
+    first_index: int = 0,
 ) -> Iterator[Bucket]:
     """Writes `tensors` into bucket files under `directory` and yields each `Bucket` once it is closed.
 
@@ -186,14 +259,18 @@ def stage_buckets(
 
     With `spec` (`{hf_name: (shape, dtype)}` of the served checkpoint), an unknown name, a wrong shape or
     a duplicate raises ValueError naming it before that tensor is written. On any error the bucket being
-    written is removed; buckets already yielded belong to the caller.
+    written is removed; buckets already yielded belong to the caller. Buckets are numbered from
+    `first_index`.
     """
+    if isinstance(tensors, StagedBuckets):  # staged already, by every process of the job
+        yield from tensors.buckets
+        return
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     prefix = prefix or f"bucket-{uuid.uuid4().hex[:8]}"
     seen: set[str] = set()
     current: _BucketFile | None = None
-    index = 0
+    index = first_index
     try:
         for item in tensors:
             name, array, block = (*item, None)[:3]
