@@ -124,14 +124,15 @@ def test_speculative_canary_equals_the_exact_trainer_logprobs(tiny_model):
     assert calls == [other]
 
 
-def test_loop_engine_close_gives_the_cores_back():
+def test_engine_close_gives_the_cores_back():
     code = textwrap.dedent(
         """
         import os
-        from rljax.loop.engine import LoopEngine
-        from rljax.rollout import placement
+        from types import SimpleNamespace
+        from rljax.rollout import RolloutEngine, placement
         everything = placement.allowed_cpus()
-        engine = LoopEngine(None, None, None)
+        part = SimpleNamespace(close=lambda: None)   # a client and a syncer with nothing to close
+        engine = RolloutEngine(part, part)
         engine.unpin_cpus = everything
         placement.pin_process(everything[-1:])   # what make_engine does in async mode
         pinned = placement.allowed_cpus()
