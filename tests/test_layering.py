@@ -147,3 +147,37 @@ def test_no_top_level_kernels_module_is_installed(tmp_path):
     )
     origin = out.stdout.strip()
     assert origin == "none" or "site-packages" in origin, origin
+
+
+# The vLLM boundary: the worker side (loaded by vLLM in its own processes) is the only rljax code that
+# imports torch or vLLM; the trainer side (the engine, client, syncer, the loop) never does, not even lazily.
+WORKER_SIDE = ("rljax/weight_sync/vllm_engine.py", "rljax/weight_sync/vllm_plugin.py")
+# rljax/models converts checkpoints with transformers (torch) outside the trainer's import path
+# (`models.tiny`, the HF reference in tests); its own rule is RULES["rljax/models"].
+TORCH_ALLOWED = ("rljax/models",)
+
+
+def test_only_the_vllm_worker_side_imports_torch_or_vllm():
+    bad = []
+    for f in sorted((REPO / "rljax").rglob("*.py")):
+        rel = str(f.relative_to(REPO))
+        if rel in WORKER_SIDE:
+            continue
+        for name in imports_of(f):
+            top = name.split(".")[0]
+            if top == "vllm" or (top == "torch" and not rel.startswith(TORCH_ALLOWED)):
+                bad.append(f"{rel} imports {name}")
+            if name.startswith("rljax.weight_sync.vllm_"):  # the worker side is vLLM's to load, by name
+                bad.append(f"{rel} imports the worker-side {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_trainer_side_of_the_boundary_loads_no_torch_or_vllm():
+    import subprocess
+
+    code = (
+        "import sys, rljax.main, rljax.loop.engine, rljax.rollout, rljax.weight_sync;"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'vllm'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]", out.stdout

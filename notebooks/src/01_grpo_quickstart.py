@@ -3,7 +3,7 @@
 #
 # The default job (`configs/grpo.py`: the committed 2-layer model `assets/tiny_arith`, the procedural
 # arithmetic task, GRPO with group size 8), shortened to a dozen steps. The notebook starts **one** vLLM
-# server itself (`rljax.rollout.VLLMEngine.launch`) and points the training loop at it with
+# server itself (`rljax.rollout.RolloutEngine.launch`) and points the training loop at it with
 # `cfg.rollout.vllm.urls`, so the same server is used for the samples before and after training.
 # Everything else is the library's own path: `rljax.loop.train.train(cfg, workdir)` runs
 # rollout -> rewards -> update -> verified weight sync -> eval, and writes `workdir/metrics.jsonl`.
@@ -37,7 +37,7 @@ from rljax import models
 from rljax.loop.data_setup import load_examples
 from rljax.loop.train import train
 from rljax.rewards import RewardPool
-from rljax.rollout import ServerOptions, VLLMEngine
+from rljax.rollout import RolloutEngine, ServerOptions
 
 
 def find_root() -> pathlib.Path:
@@ -91,7 +91,7 @@ print(
 
 # %%
 t0 = time.perf_counter()
-engine = VLLMEngine.launch(
+engine = RolloutEngine.launch(
     cd.model.path,
     WORKDIR / "vllm",
     server_options=ServerOptions(

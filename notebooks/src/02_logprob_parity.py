@@ -38,7 +38,7 @@ from rljax import models, trainer
 from rljax.loop.engine import local_logprobs
 from rljax.trajectory import Trajectory, build_loss_inputs
 from rljax.models.tiny import build_tiny_checkpoint
-from rljax.rollout import RolloutError, ServerOptions, VLLMEngine, VLLMServer
+from rljax.rollout import RolloutEngine, RolloutError, ServerOptions, StateDictWeights, VLLMServer
 from rljax.sharding import make_mesh
 from rljax.weight_sync import WeightSyncError, make_canary
 
@@ -121,7 +121,7 @@ load_into_torch(hf_state)
 #
 # `engine.push_weights` stages the tensors in shared memory, pauses the server, loads them through vLLM's
 # RL weight-update endpoints, resumes, and then runs the **canary**: fixed tokens scored by the server and
-# by `trainer_logprobs` (here rljax's fused `token_logprobs` path on the new params) must agree within
+# by the engine's trainer side (rljax's fused `token_logprobs` path on the new params) must agree within
 # `SyncOptions.canary_tolerance` (1e-4 here; the training loop's `rollout.weight_sync.canary_tolerance` is
 # 1e-3), or the push raises `WeightSyncError` and generation is refused. The first push also opens the
 # shared-memory transport and is the fresh server's first request (its warm-up): later pushes are faster.
@@ -137,11 +137,12 @@ canary = make_canary(model_config.vocab_size, block_size=server.options.block_si
 rljax_canary(canary.prompt_ids, canary.completion_ids)
 t0 = time.perf_counter()
 server.wait_healthy(300)
-engine = VLLMEngine([server.url], ckpt, servers=[server])
+# HF-named tensors in, `rljax_canary` as the trainer side (the training loop's engine takes JAX params)
+engine = RolloutEngine.connect([server.url], ckpt, servers=[server], weights=StateDictWeights(rljax_canary))
 atexit.register(engine.close)
 print(f"vLLM up at {server.url} ({time.perf_counter() - t0:.1f} s more after the cells above)")
 
-sync = engine.push_weights(models.iter_hf_tensors(model_config, params), 1, trainer_logprobs=rljax_canary)
+sync = engine.push_weights(models.iter_hf_tensors(model_config, params), 1)
 print(
     f"pushed {sync['weight_sync/bytes'] / 2**20:.2f} MiB in {sync['weight_sync/seconds'] * 1e3:.0f} ms "
     f"(server paused {sync['weight_sync/pause_seconds'] * 1e3:.0f} ms); canary max |diff| "
@@ -290,11 +291,11 @@ for label, d in broken.items():
 # The swapped `gate_proj`/`up_proj` pass every name and shape check, load, and the server resumes; but the
 # canary's log-probs disagree with the trainer's, so the push raises `WeightSyncError` and the policy gate
 # is marked broken: generation refuses to sample from weights the trainer does not hold. A full push of the
-# right weights repairs it (the loop does this in `recover`).
+# right weights repairs it (the engine's recovery does this after a failure).
 
 # %%
 try:
-    engine.push_weights(iter(swap_gate_up(hf_state).items()), 2, trainer_logprobs=rljax_canary)
+    engine.push_weights(swap_gate_up(hf_state).items(), 2)
     raise AssertionError("the canary accepted a broken mapping")
 except WeightSyncError as e:
     print("WeightSyncError:", str(e)[:300])
@@ -305,7 +306,7 @@ try:
 except RolloutError as e:
     print("RolloutError:", e)
 
-sync = engine.push_weights(models.iter_hf_tensors(model_config, params), 3, trainer_logprobs=rljax_canary)
+sync = engine.push_weights(models.iter_hf_tensors(model_config, params), 3)
 canary_diff = sync["weight_sync/canary_logprob_max_abs_diff"]
 print(f"repaired: serving version {engine.version}, canary max |diff| {canary_diff:.1e}")
 again = engine.generate(prompt_ids, n=4, temperature=1.0, max_tokens=48, seed=0)

@@ -1,7 +1,9 @@
-"""Rollouts from vLLM: owned or connected servers, an async token-in/token-out client, the engine facade."""
+"""Rollouts from vLLM: owned or connected servers, an async token-in/token-out client, and `RolloutEngine`,
+the one trainer-side boundary to vLLM (generation, weight push, recovery)."""
 
 from rljax.rollout.client import ClientOptions, Completion, RolloutClient, RolloutError
-from rljax.rollout.engine import VLLMEngine, served_model_name
+from rljax.rollout.engine import RolloutEngine, StateDictWeights, served_model_name
+from rljax.rollout.recovery import RecoveryExhaustedError
 from rljax.rollout.server import ServerError, ServerOptions, VLLMServer, free_port
 from rljax.weight_sync.gate import PolicyGate
 
@@ -9,11 +11,13 @@ __all__ = [
     "ClientOptions",
     "Completion",
     "PolicyGate",
+    "RecoveryExhaustedError",
     "RolloutClient",
+    "RolloutEngine",
     "RolloutError",
     "ServerError",
     "ServerOptions",
-    "VLLMEngine",
+    "StateDictWeights",
     "VLLMServer",
     "free_port",
     "served_model_name",

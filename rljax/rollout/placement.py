@@ -10,14 +10,15 @@
 - "split": the async split in either mode.
 
 `server_thread_env(placement, idle_spin_s)` is the vLLM child's environment for it (VLLM_CPU_OMP_THREADS_BIND,
-and `RLJAX_VLLM_IDLE_SPIN_S`, read by `quiet_idle_spin` inside vLLM's processes). `pin_process(cpus)`
-places every thread of this process (XLA's intra-op pool exists by then, so each thread is moved).
+and `RLJAX_VLLM_IDLE_SPIN_S`, read by `vllm_plugin.quiet_idle_spin` inside vLLM's processes).
+`pin_process(cpus)` places every thread of this process (XLA's intra-op pool exists by then, so each
+thread is moved).
 
 Idle spin: a vLLM worker reading its shared-memory message queue busy-polls (`sched_yield`) for 1 s after
 its last message before sleeping on a socket (`SpinCondition.busy_loop_s`, hard-coded in vLLM 0.32); after
-every generation that second takes one of the trainer's cores. `quiet_idle_spin()` (called by the rljax
-vLLM plugin in every vLLM process) lowers it to `RLJAX_VLLM_IDLE_SPIN_S`. The writer pings the socket on
-every message, but a ping can be lost (vLLM re-checks the queue every 5 s for that reason,
+every generation that second takes one of the trainer's cores. `rljax.weight_sync.vllm_plugin`'s
+`quiet_idle_spin()` (run in every vLLM process) lowers it to `RLJAX_VLLM_IDLE_SPIN_S`. The writer pings the
+socket on every message, but a ping can be lost (vLLM re-checks the queue every 5 s for that reason,
 `SHM_READER_RECHECK_INTERVAL_MS`): measured with no spin and vLLM's 5 s re-check, a sync's control calls
 stalled 5 or 10 s each. So a sleeping reader also re-checks every `IDLE_RECHECK_MS` (an idle worker then
 wakes 200 times a second for a few microseconds, instead of spinning).
@@ -82,23 +83,3 @@ def pin_process(cpus: tuple[int, ...]) -> int:
         except (ProcessLookupError, PermissionError):  # a thread that just exited
             continue
     return moved
-
-
-def quiet_idle_spin() -> None:
-    """Inside a vLLM process: idle message-queue readers busy-poll for `RLJAX_VLLM_IDLE_SPIN_S` seconds
-    (not vLLM's 1 s) before sleeping on their notify socket, re-checking the queue every
-    `IDLE_RECHECK_MS` while asleep (not vLLM's 5 s). No-op when the variable is unset."""
-    value = os.environ.get(IDLE_SPIN_ENV)
-    if value is None:
-        return
-    try:
-        from vllm.distributed.device_communicators import shm_broadcast
-    except ImportError:  # not a vLLM with this queue
-        return
-    init = shm_broadcast.SpinCondition.__init__
-    if init.__defaults__ is not None and len(init.__defaults__) == 1:
-        init.__defaults__ = (float(value),)
-    if hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):  # read at each wait
-        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(
-            shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, IDLE_RECHECK_MS
-        )

@@ -1,6 +1,6 @@
 """Trainer side of a weight sync: stage -> pause -> load through vLLM's RL endpoints -> verify -> resume.
 
-One `WeightSyncer.sync(tensors, version, trainer_logprobs)` call:
+One `WeightSyncer.push_weights(tensors, version, trainer_logprobs)` call (the engine's push, one level down):
 
 1. stage: `tensors` (e.g. `rljax.models.iter_hf_tensors(config, params)`) into bucket files
    (`staging.stage_buckets`), names and shapes checked against the served checkpoint. With
@@ -189,7 +189,7 @@ class WeightSyncer:
             spec=self.spec,
         )
 
-    def sync(
+    def push_weights(
         self,
         tensors: Iterable[tuple[str, np.ndarray]],
         version: int,

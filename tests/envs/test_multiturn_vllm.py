@@ -82,14 +82,14 @@ def build_tool_model(out: str, steps: int = SFT_STEPS) -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from rljax.rollout import ServerOptions, VLLMEngine
+    from rljax.rollout import RolloutEngine, ServerOptions
 
     root = tmp_path_factory.mktemp("multiturn")
     path = build_tool_model(str(root / "model"))
     options = ServerOptions(
         gpu_memory_utilization=0.08, kvcache_space_gib=1, max_model_len=512, startup_timeout_s=300.0
     )
-    engine = VLLMEngine.launch(path, root / "vllm", server_options=options)
+    engine = RolloutEngine.launch(path, root / "vllm", server_options=options)
     try:
         yield SimpleNamespace(engine=engine, path=path)
     finally:

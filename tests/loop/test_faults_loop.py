@@ -4,8 +4,9 @@ checkpoints) and real JAX multi-process jobs, each fault ending in recovery or a
 One run owns its server and goes through, in order: the server SIGKILLed mid-generation (step 1's
 rollout) and mid-sync (step 2's push), a planted non-finite gradient (step 3, tests/support/fault_main.py),
 a reward function that hangs, then SIGTERM preemption; the rerun resumes from the preempted checkpoint,
-and a third run, after the latest checkpoint is garbled, falls back to the one before. Faults are timed
-with RLJAX_FAULTS (rljax.loop.recovery.FaultPlan); the kills are real SIGKILLs of the server's processes.
+and a third run, after the latest checkpoint is garbled, falls back to the one before. The server faults
+are timed by RLJAX_TEST_FAULTS, which tests/support/fault_main.py wires in at the rollout engine's boundary
+(tests/support/faults.py); the kills are real SIGKILLs of the server's processes.
 """
 
 import json
@@ -39,7 +40,7 @@ ARGS = (
 
 
 def env_for(workdir: pathlib.Path, faults: str, poison_update: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", RLJAX_FAULTS=faults, PYTHONPATH=f"{REPO}:{TESTS}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", RLJAX_TEST_FAULTS=faults, PYTHONPATH=f"{REPO}:{TESTS}")
     env["RLJAX_TEST_POISON_UPDATE"] = str(poison_update)
     env["RLJAX_TEST_HANG_MARKER"] = str(workdir / "hang_once.marker")
     env.pop("XLA_FLAGS", None)
@@ -47,7 +48,7 @@ def env_for(workdir: pathlib.Path, faults: str, poison_update: int) -> dict:
 
 
 def start_main(workdir: pathlib.Path, steps: int, faults: str = "", poison_update: int = 0, extra_args=()):
-    """`python -m rljax.main`, through tests/support/fault_main.py (which can plant a non-finite gradient)."""
+    """`python -m rljax.main`, through tests/support/fault_main.py (server kills, a non-finite gradient)."""
     cmd = [sys.executable, str(TESTS / "fault_main.py"), f"--workdir={workdir}", *ARGS, *extra_args]
     cmd.append(f"--config.trainer.steps={steps}")
     log = open(workdir.parent / f"{workdir.name}_{time.monotonic_ns()}.log", "w+")  # noqa: SIM115

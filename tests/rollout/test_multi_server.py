@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from faults import kill_when_running
 from vllm_server import TEST_SERVER_OPTIONS, TorchReference, perturbed
 
 from rljax.config import Config, ConfigError, validate
-from rljax.loop.recovery import call_with_recovery, kill_when_running
-from rljax.rollout import ClientOptions, RolloutClient, VLLMEngine
+from rljax.rollout import ClientOptions, RolloutClient, RolloutEngine, StateDictWeights
 from rljax.rollout.auth import bearer_headers
 from rljax.rollout.client import _Queues, least_loaded, progress_count
 from rljax.rollout.server import ServerOptions, server_command
@@ -103,12 +103,19 @@ def test_server_command_passes_tensor_and_data_parallel_sizes():
 
 @pytest.fixture(scope="module")
 def two_servers(tmp_path_factory):
-    """Two owned tiny_arith servers behind one engine (started at once), with a transformers reference."""
-    engine = VLLMEngine.launch(
-        ASSET, tmp_path_factory.mktemp("multi"), replicas=2, server_options=TEST_SERVER_OPTIONS
+    """Two owned tiny_arith servers behind one engine (started at once), with a transformers reference as
+    the canary's trainer side; the engine restarts a dead server and re-pushes (max_restarts=2)."""
+    ref = TorchReference(ASSET)
+    engine = RolloutEngine.launch(
+        ASSET,
+        tmp_path_factory.mktemp("multi"),
+        replicas=2,
+        server_options=TEST_SERVER_OPTIONS,
+        weights=StateDictWeights(ref.logprobs),
+        max_restarts=2,
     )
     try:
-        yield engine, TorchReference(ASSET)
+        yield engine, ref
     finally:
         engine.close()
 
@@ -116,7 +123,7 @@ def two_servers(tmp_path_factory):
 def _push(engine, ref, version: int, seed: int) -> dict:
     state = perturbed(ref.state(), seed=seed)
     ref.load(state)
-    return engine.push_weights(iter(state.items()), version, trainer_logprobs=ref.logprobs)
+    return engine.push_weights(state.items(), version)
 
 
 def _assert_every_server_serves(engine, ref, version: int) -> None:
@@ -183,20 +190,10 @@ def test_killing_one_server_mid_step_is_recovered_with_no_prompt_lost(two_server
         killer["thread"].join()
     assert killer["killed"], "the victim finished before it could be killed"
     assert len(out) == 128 and sorted({c.prompt_index for c in out}) == list(range(64))  # no prompt lost
-    state = perturbed(ref.state(), seed=7)
-    ref.load(state)
-
-    def push():
-        return engine.push_weights(iter(state.items()), version + 1, trainer_logprobs=ref.logprobs)
-
-    def recover():
-        return engine.recover(iter(state.items()), version + 1, trainer_logprobs=ref.logprobs)
-
-    stats: dict = {}
     t0 = time.perf_counter()
-    metrics = call_with_recovery(push, recover, max_restarts=2, what="weight sync", stats=stats)
-    print(f"recovery: {stats}, step push incl. recovery {time.perf_counter() - t0:.1f} s")
-    assert stats["recovery/restarts"] == 1.0 and victim.healthy()
+    metrics = _push(engine, ref, version + 1, seed=7)  # fails on the dead server: restart, re-push
+    print(f"recovery metrics: {metrics}, step push incl. recovery {time.perf_counter() - t0:.1f} s")
+    assert metrics["recovery/restarts"] == 1.0 and victim.healthy()
     assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= TOL
     _assert_every_server_serves(engine, ref, version + 1)
     before = dict(engine.client.sent)

@@ -76,11 +76,11 @@ def test_pin_process_moves_every_thread():
 def test_quiet_idle_spin_lowers_vllms_busy_loop():
     code = textwrap.dedent(
         """
-        from rljax.rollout import placement
+        from rljax.weight_sync import vllm_plugin
         from vllm.distributed.device_communicators import shm_broadcast
         sb = shm_broadcast
         before = sb.SpinCondition.__init__.__defaults__[0], sb.SHM_READER_RECHECK_INTERVAL_MS
-        placement.quiet_idle_spin()
+        vllm_plugin.quiet_idle_spin()
         after = sb.SpinCondition.__init__.__defaults__[0], sb.SHM_READER_RECHECK_INTERVAL_MS
         print(*before, *after)
         """
@@ -124,14 +124,15 @@ def test_speculative_canary_equals_the_exact_trainer_logprobs(tiny_model):
     assert calls == [other]
 
 
-def test_loop_engine_close_gives_the_cores_back():
+def test_engine_close_gives_the_cores_back():
     code = textwrap.dedent(
         """
         import os
-        from rljax.loop.engine import LoopEngine
-        from rljax.rollout import placement
+        from types import SimpleNamespace
+        from rljax.rollout import RolloutEngine, placement
         everything = placement.allowed_cpus()
-        engine = LoopEngine(None, None, None)
+        part = SimpleNamespace(close=lambda: None)   # a client and a syncer with nothing to close
+        engine = RolloutEngine(part, part)
         engine.unpin_cpus = everything
         placement.pin_process(everything[-1:])   # what make_engine does in async mode
         pinned = placement.allowed_cpus()

@@ -1,13 +1,16 @@
-"""`python -m rljax.main` with a planted non-finite gradient, for the loop fault suite (test_faults_loop.py).
+"""`python -m rljax.main` with faults wired in, for the loop fault suite (test_faults_loop.py).
 
-RLJAX_TEST_POISON_UPDATE=N makes the advantages of the N-th update's batch NaN inside the update (after
-the host-side batch validation, which rejects non-finite inputs), so that step's loss and gradient are
-non-finite and the trainer's guard must skip it. Everything else is the unchanged entry point.
+RLJAX_TEST_FAULTS="kill_server_mid_generate:1,kill_server_mid_sync:2" installs those server kills at the
+rollout engine's boundary (tests/support/faults.py). RLJAX_TEST_POISON_UPDATE=N makes the advantages of
+the N-th update's batch NaN inside the update (after the host-side batch validation, which rejects
+non-finite inputs), so that step's loss and gradient are non-finite and the trainer's guard must skip it.
+Everything else is the unchanged entry point; no rljax module reads these variables.
 """
 
 import dataclasses
 import os
 
+import faults
 import jax.numpy as jnp
 
 from rljax import trainer
@@ -29,6 +32,7 @@ def make_update(*args, **kwargs):
 
 
 trainer.make_family_update = make_update
+faults.install(faults.FaultPlan.parse(os.environ.get("RLJAX_TEST_FAULTS", "")))
 
 if __name__ == "__main__":
     from rljax.main import run

@@ -1,7 +1,7 @@
 """Session-scoped vLLM servers for the rollout and weight-sync tests (load with `pytest_plugins`).
 
 One server per tiny model family for the whole test run (vLLM start-up costs ~25-60 s on 2 cores), each
-wrapped in a `Served`: the `VLLMEngine` plus a transformers float32 reference holding the weights the
+wrapped in a `Served`: the `RolloutEngine` plus a transformers float32 reference holding the weights the
 server currently serves. Tests that push weights go through `Served.push`, so the two never drift; a
 test that kills the server leaves it to `served_*` to restart it for the next test.
 
@@ -19,7 +19,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from rljax.rollout import ServerOptions, VLLMEngine
+from rljax.rollout import RolloutEngine, ServerOptions, StateDictWeights
 from rljax.weight_sync import SyncOptions
 from rljax.weight_sync.canary import server_prompt_logprobs
 
@@ -79,7 +79,7 @@ def perturbed(state: dict[str, np.ndarray], seed: int, scale: float = 0.05) -> d
 
 @dataclasses.dataclass
 class Served:
-    engine: VLLMEngine
+    engine: RolloutEngine
     ref: TorchReference
     path: str
 
@@ -94,16 +94,15 @@ class Served:
         if sync_kwargs:
             syncer.options = dataclasses.replace(syncer.options, **sync_kwargs)
         try:
-            return self.engine.push_weights(iter(state.items()), version, trainer_logprobs=self.ref.logprobs)
+            return self.engine.push_weights(state.items(), version)
         finally:
             syncer.options = SyncOptions()
 
     def ensure_servable(self) -> None:
         """Restarts a killed server and re-pushes the reference weights after a failed sync."""
         if not self.server.healthy() or self.engine.gate.broken:
-            self.engine.recover(
-                iter(self.ref.state().items()), self.engine.version, trainer_logprobs=self.ref.logprobs
-            )
+            self.engine.restart_unhealthy()
+            self.engine.push_weights(self.ref.state().items(), self.engine.version)
 
 
 _FAMILIES = {"qwen2": {}, "llama": {"tie_word_embeddings": False}}  # qwen2 tied: vLLM's stale lm_head bug
@@ -131,7 +130,11 @@ def _spawned_servers(request, tmp_path_factory):
 def _served(spawned: dict, family: str) -> Served:
     server, path = spawned[family]
     server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
-    return Served(VLLMEngine([server.url], path, servers=[server]), TorchReference(path), path)
+    ref = TorchReference(path)
+    engine = RolloutEngine.connect(
+        [server.url], path, servers=[server], weights=StateDictWeights(ref.logprobs)
+    )
+    return Served(engine, ref, path)
 
 
 @pytest.fixture(scope="session")

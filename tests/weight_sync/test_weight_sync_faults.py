@@ -18,7 +18,7 @@ def test_server_killed_mid_sync_fails_fast_then_restart_and_repush_succeeds(serv
     state = perturbed(served_qwen2.ref.state(), seed=31)
     killed_at = []
 
-    def tensors_killing_the_server():
+    def items_killing_the_server():
         for k, item in enumerate(state.items()):
             if k == 12:  # pipelined staging: earlier buckets are already loaded by now
                 killed_at.append(time.monotonic())  # before: the sync may fail while kill() reaps
@@ -28,9 +28,7 @@ def test_server_killed_mid_sync_fails_fast_then_restart_and_repush_succeeds(serv
     engine.syncer.options = SyncOptions(bucket_bytes=40 * 1024, prestage=False)
     try:
         with pytest.raises(WeightSyncError, match="update_weights|finish_weight_update") as err:
-            engine.push_weights(
-                tensors_killing_the_server(), version + 1, trainer_logprobs=served_qwen2.ref.logprobs
-            )
+            engine.push_weights(items_killing_the_server(), version + 1)  # the engine has no restarts
     finally:
         engine.syncer.options = SyncOptions()
     assert killed_at, str(err.value)
@@ -39,7 +37,8 @@ def test_server_killed_mid_sync_fails_fast_then_restart_and_repush_succeeds(serv
     with pytest.raises(RolloutError):
         engine.generate([[1, 2, 3]], n=1, temperature=0.0, max_tokens=2)
     served_qwen2.ref.load(state)
-    metrics = engine.recover(iter(state.items()), version + 1, trainer_logprobs=served_qwen2.ref.logprobs)
+    assert engine.restart_unhealthy() == [served_qwen2.server]
+    metrics = engine.push_weights(state.items(), version + 1)
     assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= 1e-4
     assert_serves_reference(served_qwen2, version + 1)
 
