@@ -20,7 +20,6 @@ MAX_LINES = 400
 
 # module -> its line count today. Split before adding to it; do not raise a number.
 TOO_LONG = {
-    "rljax/weight_sync/syncer.py": 413,
 }
 
 # module -> name switches in it today (see the module doc). Replace each by a registry lookup at build time.

@@ -16,7 +16,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # a word of the name (between underscores) starts with TEST or FAULT: RLJAX_TEST_X, MY_FAULTS; not DEFAULTS
 TEST_ONLY = re.compile(r"^(?:[A-Z0-9]+_)*(?:TEST|FAULT)[A-Z0-9]*(?:_[A-Z0-9]+)*$")
 # (module, name): known offenders being removed. Never add to this; delete an entry once it is gone.
-ALLOWED = {("rljax/loop/recovery.py", "RLJAX_FAULTS")}
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def _is_environ(node: ast.AST) -> bool:
@@ -100,3 +100,13 @@ def test_no_production_module_reads_a_test_only_environment_variable():
     )
     stale = ALLOWED - {(m, name) for m, _, name in found}
     assert not stale, f"remove these from ALLOWED, they are gone: {sorted(stale)}"
+
+
+def test_fault_injection_lives_in_tests_support():
+    """The fault plan and its kill helpers (tests/support/faults.py) are not in the package."""
+    found = [
+        str(f.relative_to(REPO))
+        for f in sorted((REPO / "rljax").rglob("*.py"))
+        if any(word in f.read_text() for word in ("FaultPlan", "kill_halfway", "kill_when_running"))
+    ]
+    assert not found, found

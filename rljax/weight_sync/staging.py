@@ -2,9 +2,8 @@
 
 Tensors are written to the current bucket file as they arrive (one tensor in process memory at a
 time, straight from `rljax.models.iter_hf_tensors`'s device->host copy), so the trainer's extra host
-memory is one tensor plus the bucket files that exist at once: all of them when staging runs before
-the pause (`WeightSyncer` with `prestage=True`: the files are the copy of the model on its way to the
-engine, and are unlinked when the sync ends), or at most two when staging is pipelined with loading.
+memory is one tensor plus the bucket files, all staged before the pause (`WeightSyncer`: the files are
+the copy of the model on its way to the engine, and are unlinked when the sync ends).
 A tensor larger than `bucket_bytes` gets a bucket of its own.
 """
 

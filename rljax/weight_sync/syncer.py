@@ -3,9 +3,8 @@
 One `WeightSyncer.push_weights(tensors, version, trainer_logprobs)` call (the engine's push, one level down):
 
 1. stage: `tensors` (e.g. `rljax.models.iter_hf_tensors(config, params)`) into bucket files
-   (`staging.stage_buckets`), names and shapes checked against the served checkpoint. With
-   `prestage=True` (default) this finishes before the pause, so generation waits only for the engine;
-   with `prestage=False` at most two buckets exist at once, staged while the engine loads the previous.
+   (`staging.stage_buckets`), names and shapes checked against the served checkpoint, all before the
+   pause, so generation waits only for the engine;
 2. under the gate's exclusive side (no generate batch in flight): `/pause?mode=wait` (clears the prefix
    cache), `/start_weight_update`, `/update_weights` (one call for all pre-staged buckets, else one per
    bucket), `/finish_weight_update` with the version, `/resume`, on every replica in turn.
@@ -29,8 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from urllib.parse import urlsplit
@@ -62,7 +59,6 @@ class WeightSyncError(RuntimeError):
 class SyncOptions:
     # Fields the config sets default to the config's defaults (rljax.config.DEFAULTS, declared once there).
     bucket_bytes: int = DEFAULTS.rollout.weight_sync.bucket_mb * 2**20
-    prestage: bool = True
     checksums: bool = DEFAULTS.rollout.weight_sync.checksums
     canary_tolerance: float = config_canary_tolerance(DEFAULTS)
     staging_dir: str = DEFAULT_STAGING_DIR
@@ -199,15 +195,11 @@ class WeightSyncer:
         t0 = time.perf_counter()
         staged: list[Bucket] = []
         try:
-            if self.options.prestage:
-                staged = self._checked(lambda: list(self._stage(tensors)))
-                self._check_complete(staged)
-                source: Iterable[Bucket] = staged
-            else:
-                source = _Prefetch(self._stage(tensors), depth=1)
+            staged = self._checked(lambda: list(self._stage(tensors)))
+            self._check_complete(staged)
             t_staged = time.perf_counter()
             with self.gate.exclusive(self.options.update_timeout_s):
-                pause_s, engine_s, nbytes = self._push(source, version)
+                pause_s, engine_s, nbytes = self._push(staged, version)
                 diffs = [
                     self._checked(
                         lambda u=u: canary_lib.check_canary(
@@ -239,7 +231,7 @@ class WeightSyncer:
         }
 
     def _check_complete(self, staged: list[Bucket]) -> None:
-        """Raises naming the first checkpoint tensor that was not staged (pre-staged syncs only)."""
+        """Raises naming the first checkpoint tensor that was not staged."""
         if self.spec is None:
             return
         missing = sorted(set(self.spec) - {e.name for b in staged for e in b.entries})
@@ -255,7 +247,7 @@ class WeightSyncer:
         except (ValueError, OSError, canary_lib.CanaryError) as e:
             raise WeightSyncError(str(e)) from e
 
-    def _push(self, buckets: Iterable[Bucket], version: int) -> tuple[float, float, int]:
+    def _push(self, buckets: list[Bucket], version: int) -> tuple[float, float, int]:
         """Pause, load every bucket into every server, finish, resume. Returns (pause s, engine s, bytes)."""
         for url in self.urls:
             self._init(url)
@@ -267,24 +259,18 @@ class WeightSyncer:
         finally:
             server.close()
 
-    def _push_via(self, buckets: Iterable[Bucket], version: int, server) -> tuple[float, float, int]:
+    def _push_via(self, buckets: list[Bucket], version: int, server) -> tuple[float, float, int]:
         o = self.options
-        # Pipelined shm: the worker copies each bucket out so its file can go at once. Streamed buckets
-        # land in the node's own receive files, and pre-staged files live until the sync ends.
-        copy = not o.prestage and server is None
 
-        def info(bucket: Bucket) -> dict:
-            d = bucket.update_info(copy=copy)
+        def info(bucket: Bucket) -> dict:  # the staged files live until the sync ends: the worker maps them
+            d = bucket.update_info(copy=False)
             if server is not None:
                 server.add(bucket.index, bucket.path)
                 d["source"] = server.address(o.tcp_timeout_s)
             return d
 
-        batches: Iterable[list[Bucket]] = (
-            [list(buckets)] if isinstance(buckets, list) else ([b] for b in _rejecting(buckets))
-        )
-        # Pre-staged tcp: the workers receive every bucket in the background before the pause.
-        prefetch = server is not None and isinstance(buckets, list) and bool(buckets)
+        # tcp/zmq: the workers receive every bucket in the background before the pause.
+        prefetch = server is not None and bool(buckets)
         if prefetch:
             self._prefetch([info(b) for b in buckets])
             # pause once the bytes are out (or a stream failed: the load call reports it)
@@ -300,23 +286,14 @@ class WeightSyncer:
         try:
             for url in self.urls if not prefetch else ():
                 self._start_update(url)
-            for batch in batches:
-                if not batch:
-                    continue
+            if buckets:  # one load call for all of them
                 t = time.perf_counter()
-                infos = [info(b) for b in batch]
+                infos = [info(b) for b in buckets]
                 body = {"update_info": infos[0] if len(infos) == 1 else {"buckets": infos}}
-                try:
-                    for url in self.urls:
-                        self._post(url, "/update_weights", body, timeout_s=o.update_timeout_s * len(batch))
-                finally:
-                    if not o.prestage:  # loaded (or failed): the file is not needed again
-                        for b in batch:
-                            if server is not None:
-                                server.remove(b.index)
-                            b.unlink()
+                for url in self.urls:
+                    self._post(url, "/update_weights", body, timeout_s=o.update_timeout_s * len(buckets))
                 engine_s += time.perf_counter() - t
-                nbytes += sum(b.nbytes for b in batch)
+                nbytes += sum(b.nbytes for b in buckets)
             t = time.perf_counter()
             for url in self.urls:
                 self._post(
@@ -358,59 +335,3 @@ class WeightSyncer:
 def _hosts(urls: list[str]) -> int:
     """How many hosts the servers at `urls` run on (streamed buckets land once per host)."""
     return len({urlsplit(u).hostname for u in urls}) or 1
-
-
-def _rejecting(buckets: Iterable[Bucket]) -> Iterator[Bucket]:
-    """`buckets`, with a staging error (a rejected tensor, a full disk) raised as WeightSyncError."""
-    it = iter(buckets)
-    while True:
-        try:
-            bucket = next(it)
-        except StopIteration:
-            return
-        except (ValueError, OSError) as e:
-            raise WeightSyncError(str(e)) from e
-        yield bucket
-
-
-class _Prefetch:
-    """Iterates `it` in a background thread, `depth` items ahead (pipelined staging)."""
-
-    def __init__(self, it: Iterator[Bucket], depth: int):
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(it,), daemon=True)
-        self._thread.start()
-
-    def _run(self, it: Iterator[Bucket]) -> None:
-        try:
-            for item in it:
-                while not self._stop.is_set():
-                    try:
-                        self._q.put(("item", item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
-                    item.unlink()
-                    it.close()  # runs stage_buckets' cleanup of the bucket it was writing
-                    return
-            self._q.put(("done", None))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            self._q.put(("error", e))
-
-    def __iter__(self) -> Iterator[Bucket]:
-        try:
-            while True:
-                kind, value = self._q.get()
-                if kind == "done":
-                    return
-                if kind == "error":
-                    raise value
-                yield value
-        finally:
-            self._stop.set()
-            while not self._q.empty():
-                kind, value = self._q.get_nowait()
-                if kind == "item":
-                    value.unlink()

@@ -18,18 +18,21 @@ def test_server_killed_mid_sync_fails_fast_then_restart_and_repush_succeeds(serv
     state = perturbed(served_qwen2.ref.state(), seed=31)
     killed_at = []
 
-    def items_killing_the_server():
-        for k, item in enumerate(state.items()):
-            if k == 12:  # pipelined staging: earlier buckets are already loaded by now
-                killed_at.append(time.monotonic())  # before: the sync may fail while kill() reaps
-                served_qwen2.server.kill()
-            yield item
+    post = engine.syncer._post
 
-    engine.syncer.options = SyncOptions(bucket_bytes=40 * 1024, prestage=False)
+    def post_killing_the_server(url, path, *args, **kwargs):
+        if path == "/update_weights" and not killed_at:  # paused, the load call about to start
+            killed_at.append(time.monotonic())  # before: the sync may fail while kill() reaps
+            served_qwen2.server.kill()
+        return post(url, path, *args, **kwargs)
+
+    engine.syncer._post = post_killing_the_server
+    engine.syncer.options = SyncOptions(bucket_bytes=40 * 1024)
     try:
         with pytest.raises(WeightSyncError, match="update_weights|finish_weight_update") as err:
-            engine.push_weights(items_killing_the_server(), version + 1)  # the engine has no restarts
+            engine.push_weights(state.items(), version + 1)  # the engine has no restarts
     finally:
+        del engine.syncer._post
         engine.syncer.options = SyncOptions()
     assert killed_at, str(err.value)
     assert time.monotonic() - killed_at[0] < 30

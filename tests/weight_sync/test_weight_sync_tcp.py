@@ -189,18 +189,15 @@ def test_sync_options_validate_transport():
 @pytest.mark.vllm
 def test_tcp_pushes_match_transformers(served_llama):
     base, start = served_llama.ref.state(), served_llama.engine.version
-    # pre-staged (all buckets in one /update_weights call), then pipelined (one call per bucket)
-    for k, extra in enumerate([{}, {"prestage": False, "checksums": True}], start=1):
+    # all buckets in one /update_weights call, prefetched by the workers before the pause; then with checksums
+    for k, extra in enumerate([{}, {"checksums": True}], start=1):
         state = perturbed(base, seed=500 + start + k)
         metrics = served_llama.push(state, start + k, transport="tcp", bucket_bytes=100 * 1024, **extra)
         assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= TOL
         assert metrics["weight_sync/bytes"] == sum(v.nbytes for v in state.values())
         assert_serves_reference(served_llama, start + k)
         timing = _last_worker_timing(served_llama.server.log_path)
-        if extra:  # pipelined: received while paused
-            assert timing["recv_s"] > 0 and timing["prefetch_s"] == 0
-        else:  # pre-staged: every byte arrived before the pause
-            assert timing["prefetch_s"] > 0 and timing["recv_s"] == 0
+        assert timing["prefetch_s"] > 0 and timing["recv_s"] == 0  # every byte arrived before the pause
 
 
 @pytest.mark.vllm

@@ -175,8 +175,8 @@ def test_zmq_queues_are_bounded_by_the_hwm(tmp_path):
 @pytest.mark.vllm
 def test_zmq_pushes_match_transformers(served_llama):
     base, start = served_llama.ref.state(), served_llama.engine.version
-    # pre-staged (prefetched before the pause), then pipelined (one call per bucket) with checksums
-    for k, extra in enumerate([{}, {"prestage": False, "checksums": True}], start=1):
+    # prefetched by the workers before the pause; then with checksums
+    for k, extra in enumerate([{}, {"checksums": True}], start=1):
         state = perturbed(base, seed=700 + start + k)
         metrics = served_llama.push(state, start + k, transport="zmq", bucket_bytes=100 * 1024, **extra)
         assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= TOL
