@@ -22,7 +22,8 @@ staged bytes per process are printed, and with `--json FILE` written with `model
 
 Sharded staging across processes (`--processes P --devices-per-process D --servers S`, P > 1): the bench
 starts S servers, then runs itself as P JAX processes (jax.distributed on localhost, D CPU devices each,
-the params loaded into `mesh.fsdp = P * D`); every sync is the loop's own `LoopEngine.push_weights`:
+the params loaded into `mesh.fsdp = P * D`); every sync is the loop's own `RolloutEngine.push_weights`
+(over `ShardedJaxWeights`):
 each process stages only the shards it owns, process 0 pushes every bucket (shm, or tcp from this one
 trainer host). Prints per-process staged bytes, bytes this trainer host sends over tcp per push, and the
 pause / sync times against vLLM's own reload (medians). E.g.

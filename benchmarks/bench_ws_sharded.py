@@ -19,12 +19,12 @@ _ENV = "RLJAX_BENCH_WS"  # JSON for the worker processes: urls, token file, chec
 
 
 def run_sharded(args, variants, build_checkpoint, Probe, reload_seconds) -> None:
-    from rljax.rollout import ServerOptions, VLLMEngine
+    from rljax.rollout import RolloutEngine, ServerOptions
 
     work = Path(args.workdir)
     ckpt = build_checkpoint(work / "ckpt", args.gb)
     opts = ServerOptions(gpu_memory_utilization=0.1, max_model_len=512, dtype=args.dtype)
-    engine = VLLMEngine.launch(ckpt, work / "server", replicas=args.servers, server_options=opts)
+    engine = RolloutEngine.launch(ckpt, work / "server", replicas=args.servers, server_options=opts)
     try:
         token_file = work / "token"
         token_file.write_text(engine.token or "")
@@ -95,8 +95,8 @@ def run_worker(args, variants_table) -> None:
 
     from rljax import models
     from rljax.config import CANARY_TOLERANCES, Config
-    from rljax.loop.engine import LoopEngine, make_canary_logprobs
-    from rljax.rollout import VLLMEngine
+    from rljax.loop.engine import Follower, JaxWeights, ShardedJaxWeights, make_canary_logprobs
+    from rljax.rollout import RolloutEngine
     from rljax.rollout.auth import read_token_file
     from rljax.sharding import make_mesh
     from rljax.weight_sync import SyncOptions
@@ -109,11 +109,14 @@ def run_worker(args, variants_table) -> None:
     spec = models.hf_tensor_specs(config, args.dtype)
     stager = ShardStager(DEFAULT_STAGING_DIR, bucket_bytes=args.bucket_mb << 20, checksums=False, spec=spec)
     base = SyncOptions(bucket_bytes=args.bucket_mb << 20, canary_tolerance=CANARY_TOLERANCES[args.dtype])
+    weights = ShardedJaxWeights(JaxWeights(config, canary, args.dtype), stager)
     engine = None
     if pid == 0:
         token = read_token_file(env["token_file"]) or None
-        engine = VLLMEngine.connect(env["urls"], env["ckpt"], sync_options=base, token=token)
-    loop = LoopEngine(engine, config, canary, dtype=args.dtype, stager=stager)
+        engine = RolloutEngine.connect(
+            env["urls"], env["ckpt"], weights=weights, sync_options=base, token=token
+        )
+    loop = engine if engine is not None else Follower(weights)
     loop.push_weights(params, 1)  # warm-up (compiles the canary)
     per = multihost_utils.process_allgather(np.asarray([stager.staged_bytes], np.int64))
     rounds: dict[str, list[dict]] = {v: [] for v in args.variants.split(",") if v}

@@ -3,8 +3,9 @@
 
 Usage: python mp_sync_worker.py PROCESS_ID PORT CKPT URL TOKEN_FILE OUT_DIR
 Joins a jax.distributed job on 127.0.0.1:PORT, loads the tiny checkpoint into a fsdp=4 x tensor=2 mesh
-over all 8 devices, perturbs it on device, and pushes it into the vLLM server at URL through the loop's
-`LoopEngine.push_weights` (every process stages its own shards; process 0 pushes), twice: shm, then tcp
+over all 8 devices, perturbs it on device, and pushes it into the vLLM server at URL through the run's
+own engine path, `RolloutEngine.push_weights` over `ShardedJaxWeights` (every process stages its own
+shards; process 0 pushes), twice: shm, then tcp
 (process 0 streams every process's files). Process 0 writes the metrics, the HLO facts of the sync
 path's jitted code and the full weights it pushed (gathered after the syncs, for the reference only)
 to OUT_DIR/result.pkl.
@@ -64,8 +65,8 @@ def main(process_id: int, port: int, ckpt: str, url: str, token_file: str, out_d
     from jax.experimental import multihost_utils
 
     from rljax import models
-    from rljax.loop.engine import LoopEngine, make_canary_logprobs
-    from rljax.rollout import VLLMEngine
+    from rljax.loop.engine import Follower, JaxWeights, ShardedJaxWeights, make_canary_logprobs
+    from rljax.rollout import RolloutEngine
     from rljax.rollout.auth import read_token_file
     from rljax.weight_sync import SyncOptions
     from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, ShardStager
@@ -76,11 +77,13 @@ def main(process_id: int, port: int, ckpt: str, url: str, token_file: str, out_d
     canary = make_canary_logprobs(cfg, model_config, mesh, data_parallel=4)
     spec = models.hf_tensor_specs(model_config)
     stager = ShardStager(DEFAULT_STAGING_DIR, bucket_bytes=64 * 1024, checksums=True, spec=spec)
+    weights = ShardedJaxWeights(JaxWeights(model_config, canary), stager)
     engine = None
     if process_id == 0:
         token = read_token_file(token_file)
-        engine = VLLMEngine.connect([url], ckpt, sync_options=SyncOptions(checksums=True), token=token)
-    loop = LoopEngine(engine, model_config, canary, stager=stager)
+        sync = SyncOptions(checksums=True)
+        engine = RolloutEngine.connect([url], ckpt, weights=weights, sync_options=sync, token=token)
+    loop = engine if engine is not None else Follower(weights)
     results = [loop.push_weights(params, 1)]
     if engine is not None:
         engine.syncer.options = dataclasses.replace(engine.syncer.options, transport="tcp")
