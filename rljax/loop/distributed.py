@@ -206,7 +206,9 @@ BUCKETS_PER_PROCESS = 1 << 20  # process p numbers its buckets from p * this: on
 _SHARE_TIMEOUT_MS = 600_000
 
 
-def push_sharded(params, *, model_config, dtype, stager, canary: Callable, push: Callable | None) -> dict:
+def push_sharded(
+    params, *, model_config, dtype, stager, canary: Callable, push: Callable | None, keep: bool = False
+) -> dict:
     """One weight push of a multi-process job; every process calls it at the same point.
 
     1. each process casts `params` to the serving `dtype` on device (`cast_params`: elementwise, no
@@ -219,7 +221,9 @@ def push_sharded(params, *, model_config, dtype, stager, canary: Callable, push:
     3. the canary's trainer side is `canary(params)`, the sharded log-prob function of the training path,
        a collective: the leader broadcasts each pair of token lists it scores and the other processes
        follow (`_follow_canary`) until the leader says the push is over (also on failure);
-    4. every process removes its own bucket files.
+    4. every process removes its own bucket files; with `keep` (a run that may recover: the leader
+       re-pushes the last version's files alone, no collective) a push's files stay until the next push
+       succeeds, so each process holds one version's share of the model in its staging directory.
     Returns the leader's metrics (plus `weight_sync/staged_bytes_{max,min}_process`: tensor bytes one
     process staged), {} elsewhere.
     """
@@ -237,26 +241,41 @@ def push_sharded(params, *, model_config, dtype, stager, canary: Callable, push:
         error = e
     stage_s = time.perf_counter() - t0
     fn = canary(params)
+    pushed, result = False, {}
     try:
         shared = _share(key, [b.descriptor() for b in mine], error)
         if not is_leader():
             _follow_canary(fn)
-            return {}
-        try:
-            buckets, per_process = shared
-            metrics = push(StagedBuckets(buckets, per_process), _leading_canary(fn)) if push else {}
-        finally:
-            _broadcast_canary(None)
-        return metrics | {
-            "weight_sync/staged_bytes_max_process": float(max(per_process)),
-            "weight_sync/staged_bytes_min_process": float(min(per_process)),
-            "weight_sync/shard_stage_seconds": stage_s,  # the leader's own cast + copy + write
-        }
+        else:
+            try:
+                buckets, per_process = shared
+                metrics = push(StagedBuckets(buckets, per_process), _leading_canary(fn)) if push else {}
+            finally:
+                _broadcast_canary(None)
+            result = metrics | {
+                "weight_sync/staged_bytes_max_process": float(max(per_process)),
+                "weight_sync/staged_bytes_min_process": float(min(per_process)),
+                "weight_sync/shard_stage_seconds": stage_s,  # the leader's own cast + copy + write
+            }
+        pushed = error is None
     finally:
-        for b in mine:
-            b.unlink()
+        _retire(mine, keep=keep and pushed)
         if error is not None and not is_leader():
             raise error
+    return result
+
+
+_KEPT: list = []  # this process's buckets of the last push, kept for a recovery's re-push (`keep`)
+
+
+def _retire(mine: list, keep: bool) -> None:
+    """Unlinks this push's buckets, or (keep) the previous push's, keeping this one's."""
+    if keep:
+        gone, _KEPT[:] = list(_KEPT), list(mine)
+    else:
+        gone = list(mine)
+    for b in gone:
+        b.unlink()
 
 
 _SYNCS = [0]  # pushes so far (the same on every process): a fresh key-value prefix per push

@@ -9,8 +9,9 @@ and serving dtype (`rljax.models.iter_hf_tensors`) and answers the canary with l
 Multi-process runs: only the leader holds the engine; every other process holds a `Follower`, whose
 `push_weights` takes part in the push's collectives and pushes nothing. On one host the weights are a
 `ShardedJaxWeights`: every process stages only the shards it owns (`distributed.push_sharded`: nothing is
-gathered) and the canary's trainer side is the sharded log-prob function, a collective the leader drives.
-Trainer processes on several hosts still gather the params to the leader (`host_params`).
+gathered) and the canary's trainer side is the sharded log-prob function, a collective the leader drives;
+a recovery re-pushes the last push's files, kept by each process. Trainer processes on several hosts
+still gather the params to the leader (`host_params`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from rljax.rollout import ClientOptions, RolloutEngine, placement
 from rljax.rollout.auth import read_token_file
 from rljax.rollout.server import options_from_config
 from rljax.trajectory import Trajectory, build_loss_inputs
-from rljax.weight_sync import SyncOptions
+from rljax.weight_sync import SyncOptions, WeightSyncError
 from rljax.weight_sync.canary import CanarySpec
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, ShardStager
 
@@ -169,8 +170,9 @@ class JaxSnapshot:
 class ShardedJaxWeights:
     """Multi-process on one host: every process (leader and followers alike) calls `push`, which stages its
     own shards and wraps the leader's `push(snapshot)` in the collectives of `distributed.push_sharded`.
-    With `max_restarts > 0` each push also gathers a host copy for a recovery outside a push (not built
-    sharded yet: that gather is the only one left)."""
+    With `max_restarts > 0` the processes keep the last push's bucket files and the leader keeps the
+    canary's trainer-side answers of that push, so a recovery re-pushes them with no collective and
+    nothing gathered."""
 
     weights: JaxWeights
     stager: ShardStager
@@ -178,10 +180,9 @@ class ShardedJaxWeights:
 
     def push(self, params, canary: CanarySpec | None, push: Callable | None) -> dict:
         w = self.weights
-        kept = host_params(params, w.dtype) if self.max_restarts > 0 else None  # a collective
 
         def leader_push(staged, logprobs) -> dict:
-            return push(_StagedSnapshot(staged, logprobs, w.model_config, w.dtype, kept))
+            return push(_StagedSnapshot(staged, _Memo(logprobs)))
 
         return push_sharded(
             params,
@@ -190,10 +191,33 @@ class ShardedJaxWeights:
             stager=self.stager,
             canary=w.canary_logprobs,
             push=leader_push if push is not None else None,
+            keep=self.max_restarts > 0,
         )
 
     def close(self) -> None:
         self.stager.close()
+
+
+class _Memo:
+    """The canary's trainer side of one sharded push, remembered: a recovery's re-push asks the restarted
+    server the same greedy question and gets the answers the push computed (the sharded scorer is a
+    collective the other processes no longer join). A question not asked at push time fails the check."""
+
+    def __init__(self, logprobs: Callable | None):
+        self._logprobs, self._answers = logprobs, {}
+
+    def __call__(self, prompt_ids, completion_ids) -> np.ndarray:
+        key = (tuple(int(t) for t in prompt_ids), tuple(int(t) for t in completion_ids))
+        if key not in self._answers:
+            if self._logprobs is None:
+                raise WeightSyncError("canary: the re-pushed weights answered a prompt the push did not see")
+            self._answers[key] = np.asarray(self._logprobs(prompt_ids, completion_ids))
+        return self._answers[key]
+
+    def frozen(self) -> _Memo:
+        memo = _Memo(None)
+        memo._answers = dict(self._answers)
+        return memo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,23 +225,14 @@ class _StagedSnapshot:
     """The buckets every process staged (`StagedBuckets`) and the leader's side of the sharded canary."""
 
     staged: Any
-    logprobs: Callable
-    model_config: Any
-    dtype: str | None
-    kept: Any  # the gathered host copy (max_restarts > 0), else None
+    logprobs: _Memo
 
     def tensors(self):
         return self.staged  # already staged: the syncer passes them through
 
-    def keep(self) -> Callable[[], JaxSnapshot]:
-        host = self.kept
-
-        def on_device() -> JaxSnapshot:
-            local = jax.device_put(host, jax.local_devices()[0])
-            logprobs = functools.partial(local_logprobs, self.model_config, local)
-            return JaxSnapshot(self.model_config, local, self.dtype, logprobs, kept=host)
-
-        return on_device
+    def keep(self) -> Callable[[], _StagedSnapshot]:
+        kept = _StagedSnapshot(self.staged, self.logprobs.frozen())  # the files stay until the next push
+        return lambda: kept
 
     def metrics(self) -> dict[str, float]:
         return {}

@@ -77,30 +77,42 @@ def main(process_id: int, port: int, ckpt: str, url: str, token_file: str, out_d
     canary = make_canary_logprobs(cfg, model_config, mesh, data_parallel=4)
     spec = models.hf_tensor_specs(model_config)
     stager = ShardStager(DEFAULT_STAGING_DIR, bucket_bytes=64 * 1024, checksums=True, spec=spec)
-    weights = ShardedJaxWeights(JaxWeights(model_config, canary), stager)
+    weights = ShardedJaxWeights(JaxWeights(model_config, canary), stager, max_restarts=1)
     engine = None
     if process_id == 0:
         token = read_token_file(token_file)
         sync = SyncOptions(checksums=True)
-        engine = RolloutEngine.connect([url], ckpt, weights=weights, sync_options=sync, token=token)
+        engine = RolloutEngine.connect(
+            [url], ckpt, weights=weights, sync_options=sync, token=token, max_restarts=1
+        )
     loop = engine if engine is not None else Follower(weights)
     results = [loop.push_weights(params, 1)]
     if engine is not None:
         engine.syncer.options = dataclasses.replace(engine.syncer.options, transport="tcp")
     params2 = perturbed(params, seed=8)
     results.append(loop.push_weights(params2, 2))
+    if engine is not None:  # a recovery's re-push: the leader alone, the kept files and canary answers
+        kept, version = engine._current
+        results.append(engine._push_attempt(kept(), version))
     hlo = cast_hlo_facts(params2)
-    leftover = sorted(f for f in os.listdir(stager._run_dir.path) if not f.startswith("."))
+    from rljax.loop import distributed
+
+    run_dir = stager._run_dir.path
+    leftover = sorted(f for f in os.listdir(run_dir) if not f.startswith("."))
+    kept_names = sorted(os.path.basename(b.path) for b in distributed._KEPT)
     full = multihost_utils.process_allgather(params2, tiled=True)  # the reference only, after the syncs
     if process_id == 0:
         state = dict(models.iter_hf_tensors(model_config, full))
         C.save_pickle(
-            {"metrics": results, "hlo": hlo, "state": state, "leftover": leftover},
+            {"metrics": results, "hlo": hlo, "state": state, "leftover": leftover, "kept": kept_names},
             os.path.join(out_dir, "result.pkl"),
         )
     else:
-        C.save_pickle({"leftover": leftover, "hlo": hlo}, os.path.join(out_dir, "result1.pkl"))
+        C.save_pickle(
+            {"leftover": leftover, "hlo": hlo, "kept": kept_names}, os.path.join(out_dir, "result1.pkl")
+        )
     loop.close()
+    assert not os.path.exists(run_dir), run_dir  # closing removes the staging directory
     multihost_utils.sync_global_devices("done")
 
 
