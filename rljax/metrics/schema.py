@@ -100,6 +100,8 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
      f"Mean of |logp_trainer - logp_rollout| over {_T}, both under the policy version that generated them."),
     ("logprob/trainer_vs_rollout_abs_diff_max", "nats", "max",
      f"Largest |logp_trainer - logp_rollout| over {_T}."),
+    ("logprob/trainer_vs_rollout_kl", "nats", "mean",
+     f"KL(rollout || trainer) per token: k3, exp(r) - 1 - r, r = logp_trainer - logp_rollout, over {_T}."),
     ("batch/pad_fraction", "fraction", "ratio",
      "Padded positions / positions the update processes (packed rows, or one-sequence rows of a bucket)."),
     ("batch/rows", "rows", "last", "Rows of the update batch as the devices see it (packed when packing)."),

@@ -134,8 +134,17 @@ def with_importance_weights(cfg: Config, batch: TrainBatch) -> tuple[TrainBatch,
 # The trainer-vs-rollout log-prob gap on the loss tokens (update metrics; see `logprob_gap`).
 GAP_MAX = "logprob/trainer_vs_rollout_abs_diff_max"
 GAP_MEAN = "logprob/trainer_vs_rollout_abs_diff_mean"
+# KL(rollout || trainer) per token, estimated on the rollout's own samples (k3: exp(r) - 1 - r >= 0,
+# r = logp_trainer - logp_rollout): the "generation KL" other stacks gate on (NeMo-RL: 2e-3).
+GAP_KL = "logprob/trainer_vs_rollout_kl"
 # `importance_weights` metrics that are maxima; the others are token-weighted means.
 IS_MAXIMA = ("is_weight_max",)
+
+
+def logprob_kl(trainer_logp: jax.Array, inputs: LossInputs) -> jax.Array:
+    """f32[B,T] `exp(r) - 1 - r`, r = trainer_logp - behavior_logp, on the loss tokens (GAP_KL's terms)."""
+    r = jnp.where(inputs.loss_mask > 0, trainer_logp - inputs.behavior_logp, 0.0)
+    return (jnp.expm1(r) - r) * inputs.loss_mask
 
 
 def logprob_gap(trainer_logp: jax.Array, inputs: LossInputs) -> jax.Array:
@@ -154,7 +163,8 @@ def own_old_logp(cfg: Config, mb: TrainBatch, logp: jax.Array) -> tuple[TrainBat
         for k, v in is_metrics.items()
     }
     gap = logprob_gap(mb.old_logp, mb.inputs)
-    return mb, sums | {"max/" + GAP_MAX: gap.max(), "tok/logprob_gap": gap.sum()}
+    kl = logprob_kl(mb.old_logp, mb.inputs).sum()
+    return mb, sums | {"max/" + GAP_MAX: gap.max(), "tok/logprob_gap": gap.sum(), "tok/logprob_kl": kl}
 
 
 def own_old_logp_metrics(sums: dict, num_tokens: jax.Array) -> dict:
@@ -165,7 +175,11 @@ def own_old_logp_metrics(sums: dict, num_tokens: jax.Array) -> dict:
         for k, v in sums.items()
         if k.startswith(("max/is_", "tok/is_"))
     }
-    gap = {GAP_MAX: sums["max/" + GAP_MAX], GAP_MEAN: sums["tok/logprob_gap"] / num_tokens}
+    gap = {
+        GAP_MAX: sums["max/" + GAP_MAX],
+        GAP_MEAN: sums["tok/logprob_gap"] / num_tokens,
+        GAP_KL: sums["tok/logprob_kl"] / num_tokens,
+    }
     return is_metrics_out(is_metrics) | gap
 
 
@@ -311,7 +325,7 @@ def make_train_step(
     entropy/mean, clip/frac_low, clip/frac_high, is/weight_mean, is/weight_max, is/frac_capped,
     optim/grad_norm (before clipping), optim/lr, optim/skipped_steps, optim/nonfinite.
     With `on_policy` (the update's on-policy shortcut) `batch.old_logp` is None: the step takes the old
-    log-probs from its own forward under stop-gradient, and adds the metrics GAP_MAX and GAP_MEAN.
+    log-probs from its own forward under stop-gradient, and adds the metrics GAP_MAX, GAP_MEAN and GAP_KL.
     """
     if optimizer is None:
         optimizer = make_optimizer(cfg.optim, total_optimizer_steps(cfg))

@@ -22,7 +22,7 @@ from rljax.config import Config
 from rljax.trainer.batch import TrainBatch
 from rljax.trainer.logprobs import make_logprob_fn
 from rljax.trainer.state import TrainState, batch_sharding, check_nonfinite, put_global, replicated
-from rljax.trainer.step import GAP_MAX, GAP_MEAN, logprob_gap, make_train_step
+from rljax.trainer.step import GAP_KL, GAP_MAX, GAP_MEAN, logprob_gap, logprob_kl, make_train_step
 from rljax.types import LossInputs
 
 StepFn = Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]
@@ -84,9 +84,11 @@ def run_epochs(cfg: Config, mesh: Mesh, step: StepFn, state: TrainState, batch: 
 
 
 def mismatch_metrics(trainer_logp: jax.Array, batch: LossInputs) -> dict:
-    """Trainer-vs-rollout log-prob gap on the loss tokens: max and mean |logp_trainer - logp_behavior|."""
-    diff = logprob_gap(trainer_logp, batch)
-    return {GAP_MAX: diff.max(), GAP_MEAN: diff.sum() / jnp.maximum(batch.loss_mask.sum(), 1.0)}
+    """Trainer-vs-rollout log-prob gap on the loss tokens: max and mean |logp_trainer - logp_behavior|,
+    and the per-token KL(rollout || trainer) estimate (GAP_KL)."""
+    diff, ntok = logprob_gap(trainer_logp, batch), jnp.maximum(batch.loss_mask.sum(), 1.0)
+    kl = logprob_kl(trainer_logp, batch).sum() / ntok
+    return {GAP_MAX: diff.max(), GAP_MEAN: diff.sum() / ntok, GAP_KL: kl}
 
 
 def on_policy_shortcut(cfg: Config) -> bool:
