@@ -157,7 +157,7 @@ class Bucket:
 @dataclasses.dataclass(frozen=True)
 class StagedBuckets:
     """Buckets already staged by every process of a job (sharded staging): `stage_buckets` (and so
-    `WeightSyncer.sync`) passes them on as they are, and their files are left to the processes that
+    `WeightSyncer.push_weights`) passes them on as they are, and their files are left to the processes that
     wrote them (`Bucket.owned` False). `per_process` is each process's staged tensor bytes."""
 
     buckets: list[Bucket]
