@@ -9,7 +9,10 @@ import dataclasses
 import functools
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -193,3 +196,37 @@ def save_pickle(obj, path: str) -> None:
 def load_pickle(path: str):
     with open(path, "rb") as f:
         return pickle.load(f)
+
+
+def run_two_processes(worker: str, args: list[str], log_dir, timeout_s: float) -> None:
+    """`python WORKER <process id> <port> *args` for process ids 0 and 1 (a fresh jax.distributed port);
+    if one fails or the time runs out, the other is stopped (a survivor would wait for its peer). Asserts
+    both exit 0, with the tail of each worker's log (`log_dir/worker<i>.log`) in the message."""
+    from rljax.rollout.server import free_port
+
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs, logs = [], []
+    for i in range(2):
+        log = open(log_dir / f"worker{i}.log", "w+")  # noqa: SIM115 (closed below)
+        cmd = [sys.executable, worker, str(i), port, *args]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        logs.append(log)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read()[-4000:])
+        log.close()
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0], f"worker exit codes {codes}\n" + "\n----\n".join(texts)

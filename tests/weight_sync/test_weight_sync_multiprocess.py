@@ -6,10 +6,6 @@ mesh) agrees to 1e-4 in float32, and the served log-probs match a transformers r
 weights. The sync path's jitted code (the on-device cast) has no collective in its compiled HLO."""
 
 import os
-import socket
-import subprocess
-import sys
-import time
 
 import mp_trainer_common as C
 import numpy as np
@@ -24,45 +20,6 @@ TIMEOUT_S = 500
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_workers(args: list[str], log_dir) -> None:
-    """Both processes; if one fails, the other is stopped (a survivor would wait for its peer)."""
-    port = str(_free_port())
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs, logs = [], []
-    for i in range(2):
-        log = open(log_dir / f"worker{i}.log", "w+")  # noqa: SIM115 (closed below)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, WORKER, str(i), port, *args], env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-        )
-        logs.append(log)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read()[-4000:])
-        log.close()
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0], f"worker exit codes {codes}\n" + "\n----\n".join(texts)
-
-
 @pytest.mark.timeout(TIMEOUT_S + 400)
 def test_two_processes_each_stage_their_own_shards_and_the_server_serves_them(tmp_path):
     from rljax.rollout import VLLMServer
@@ -74,7 +31,8 @@ def test_two_processes_each_stage_their_own_shards_and_the_server_serves_them(tm
     server = VLLMServer(ckpt, tmp_path / "vllm", options=TEST_SERVER_OPTIONS).spawn()
     try:
         server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
-        _run_workers([ckpt, server.url, str(server.token_file), str(tmp_path)], tmp_path)
+        args = [ckpt, server.url, str(server.token_file), str(tmp_path)]
+        C.run_two_processes(WORKER, args, tmp_path, TIMEOUT_S)
         out, out1 = C.load_pickle(str(tmp_path / "result.pkl")), C.load_pickle(str(tmp_path / "result1.pkl"))
         model_bytes = sum(v.nbytes for v in out["state"].values())  # float32: the serving dtype here
         assert len(out["metrics"]) == 3  # shm, tcp, then a recovery's re-push of the kept tcp push
