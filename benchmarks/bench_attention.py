@@ -38,10 +38,12 @@ def make_inputs(args: argparse.Namespace):
     return (q, k, v), mask, w
 
 
-def make_step(name: str, mask: dict, w: jax.Array, block_size: int):
+def make_step(name: str, block_size: int):
+    """jit(q, k, v, mask, w) -> ((loss, out), grads); mask and w are arguments, not closed-over constants
+    (XLA would constant-fold transposes of captured arrays at compile time)."""
     fn = ATTENTION_IMPLS.get(name)
 
-    def loss(q, k, v):
+    def loss(q, k, v, mask, w):
         out = fn(q, k, v, **mask, block_size=block_size)
         return jnp.sum(out.astype(jnp.float32) * w), out
 
@@ -59,8 +61,8 @@ def measure(args: argparse.Namespace) -> dict:
     results, outputs, steps = {}, {}, {}
     for name in args.impls.split(","):
         try:
-            steps[name] = make_step(name, mask, w, args.block_size)
-            (_, out), grads = steps[name](*qkv)
+            steps[name] = make_step(name, args.block_size)
+            (_, out), grads = steps[name](*qkv, mask, w)
             outputs[name] = jax.device_get((out, grads))
             results[name] = {}
         except Exception as e:  # noqa: BLE001 (one impl failing must not hide the others' figures)
@@ -70,7 +72,7 @@ def measure(args: argparse.Namespace) -> dict:
     for _ in range(args.iters):
         for name, step in steps.items():
             t0 = time.perf_counter()
-            jax.block_until_ready(step(*qkv))
+            jax.block_until_ready(step(*qkv, mask, w))
             times[name].append(time.perf_counter() - t0)
     base = next(iter(outputs.values()), None)
     for name in steps:

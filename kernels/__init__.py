@@ -4,7 +4,7 @@
 the [tokens, vocab] logits; implementations live in the `IMPLS` registry.
 """
 
-from .api import resolve_impl, token_logprobs
+from .api import check_backend, resolve_impl, token_logprobs
 from .common import IMPLS
 
-__all__ = ["IMPLS", "resolve_impl", "token_logprobs"]
+__all__ = ["IMPLS", "check_backend", "resolve_impl", "token_logprobs"]

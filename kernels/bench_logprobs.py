@@ -29,7 +29,7 @@ from .triton_gpu import triton_available
 def default_impls(backend: str) -> list[str]:
     """Impls worth timing on `backend` (Pallas runs only interpreted on CPU: far too slow to time there)."""
     impls = ["reference", "xla"]
-    if backend in ("gpu", "tpu"):
+    if backend == "tpu":
         impls.append("pallas")
     if backend == "gpu" and triton_available():
         impls.append("triton")

@@ -88,6 +88,14 @@ ARG_CASES = {  # name -> (overrides, with {tmp} and {file} filled in, fragments 
         ["rollout.vllm.gpu_memory_utilization"],
     ),
     "seed_negative": (["--config.trainer.seed=-1"], ["trainer.seed"]),
+    "unknown_logprob_impl": (
+        ["--config.trainer.logprob_impl=fused"],
+        ["trainer.logprob_impl", "'fused'", "xla"],
+    ),
+    "logprob_impl_not_on_this_backend": (  # the tests run on CPU; triton runs on NVIDIA GPUs only
+        ["--config.trainer.logprob_impl=triton"],
+        ["trainer.logprob_impl", "does not run on cpu", "valid there: auto", "xla"],
+    ),
     "unknown_flag": (["--nosuch_flag=1"], ["flags:", "nosuch_flag"]),
     "config_file_syntax_error": (
         [],

@@ -13,6 +13,7 @@ from typing import Any
 
 from rljax.config.schema import Config, ConfigError, DataConfig
 from rljax.config.validation import mesh_shape
+from rljax.kernels import check_backend
 
 
 def check_chat_template(data: DataConfig, tokenizer_path: str) -> None:
@@ -35,11 +36,17 @@ def check_chat_template(data: DataConfig, tokenizer_path: str) -> None:
 
 
 def validate_runtime(cfg: Config, num_devices: int) -> dict[str, int]:
-    """Checks that need the machine, before anything is allocated: mesh vs device count, the model
-    directory, the micro-batch vs data parallelism, (unless `mesh.allow_replication`) that every mesh
-    axis divides each dimension the sharding rules give it (`check_mesh_divides_model`), and that the
-    tokenizer has a chat template when `data.chat_template` is set. Returns mesh sizes."""
+    """Checks that need the machine, before anything is allocated: mesh vs device count, that
+    `trainer.logprob_impl` runs on this backend, the model directory, the micro-batch vs data parallelism,
+    (unless `mesh.allow_replication`) that every mesh axis divides each dimension the sharding rules give
+    it (`check_mesh_divides_model`), and that the tokenizer has a chat template when `data.chat_template`
+    is set. Returns mesh sizes."""
     sizes = mesh_shape(cfg.mesh, num_devices)
+    if cfg.trainer.logprob_impl != "auto":
+        try:
+            check_backend(cfg.trainer.logprob_impl)
+        except ValueError as e:
+            raise ConfigError("trainer.logprob_impl", str(e)) from None
     path = cfg.model.path
     if not os.path.isdir(path):
         raise ConfigError("model.path", f"no such directory: {path!r} (a local Hugging Face checkpoint)")

@@ -107,9 +107,15 @@ def _check_ranges(cfg: Config) -> None:
 
 def _check_names(cfg: Config) -> None:
     from rljax import algos
+    from rljax.kernels import IMPLS as LOGPROB_IMPLS
     from rljax.models.attention import ATTENTION_IMPLS
     from rljax.models.remat import REMAT_POLICIES
 
+    if cfg.trainer.logprob_impl != "auto" and cfg.trainer.logprob_impl not in LOGPROB_IMPLS:
+        raise ConfigError(
+            "trainer.logprob_impl",
+            f"unknown name {cfg.trainer.logprob_impl!r}; valid: auto, {', '.join(LOGPROB_IMPLS.names())}",
+        )
     if cfg.model.attention_impl != "auto" and cfg.model.attention_impl not in ATTENTION_IMPLS:
         raise ConfigError(
             "model.attention_impl",

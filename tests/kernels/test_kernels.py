@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from rljax.kernels import IMPLS, resolve_impl, token_logprobs
 from rljax.kernels.bench_logprobs import make_step
-from rljax.kernels.triton_gpu import triton_available
 
 RTOL = 1e-5  # the parity bound (float32), as a norm-wise relative error
 
@@ -199,7 +198,7 @@ def test_xla_needs_16x_less_temp_memory_at_qwen_head_size():
 def test_resolve_impl_and_unknown_names():
     assert resolve_impl("auto") == "xla"  # the test process runs on CPU
     assert resolve_impl("auto", backend="tpu") == "pallas"
-    assert resolve_impl("auto", backend="gpu") == ("triton" if triton_available() else "xla")
+    assert resolve_impl("auto", backend="gpu") == "xla"  # measured faster than triton on an H200
     hidden, unembed, targets, _, _ = make_inputs(4, 8, 16)
     with pytest.raises(KeyError, match="valid names: pallas, reference, triton, xla"):
         token_logprobs(hidden, unembed, targets, impl="fused")
@@ -232,10 +231,24 @@ def test_triton_matches_reference_on_gpu(case):
     assert_parity("triton", case)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}-d{}-V{}-b{}-T{}-ent{}".format(*c))
-def test_pallas_compiled_matches_reference_on_gpu(case):
-    assert_parity("pallas", case)
+def test_impls_refuse_backends_they_do_not_run_on():
+    # pallas's Triton lowering failed on an H200 (non-power-of-two sizes, 4 of 5 parity cases): refused
+    # there by name with the way out; triton needs an NVIDIA GPU.
+    with pytest.raises(
+        ValueError, match="'pallas' does not run on gpu.*valid there: auto, reference, triton, xla"
+    ):
+        resolve_impl("pallas", backend="gpu")
+    with pytest.raises(
+        ValueError, match="'triton' does not run on cpu.*valid there: auto, pallas, reference, xla"
+    ):
+        resolve_impl("triton", backend="cpu")
+    assert (
+        resolve_impl("pallas", backend="tpu") == "pallas"
+        and resolve_impl("triton", backend="cuda") == "triton"
+    )
+    hidden, unembed, targets, _, _ = make_inputs(4, 8, 16)
+    with pytest.raises(ValueError, match="'triton' does not run on cpu"):
+        token_logprobs(hidden, unembed, targets, impl="triton")
 
 
 @pytest.mark.gpu

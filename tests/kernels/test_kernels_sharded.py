@@ -132,9 +132,9 @@ def test_one_device_mesh_runs_under_shard_map():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["triton", "pallas"])
+@pytest.mark.parametrize("impl", ["triton", "xla"])
 def test_fused_kernels_under_shard_map_on_one_gpu(impl):
-    # The jax_triton / compiled Pallas call inside shard_map (on a one-GPU mesh) equals the plain call.
+    # The jax_triton / XLA fused call inside shard_map (on a one-GPU mesh) equals the plain call.
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     args = make_inputs(300, 128, 5000, seed=7)
     (_, (lp1, ent1)), (dh1, dw1) = jax.jit(head_loss(impl, None, True))(*args)
