@@ -8,7 +8,7 @@
 #
 # Memory is the compiled temporary size of a jitted forward+backward step
 # (`jax.jit(f).lower(...).compile().memory_analysis()`), which needs no execution; time is measured at sizes
-# that run in seconds on a CPU. On a GPU runtime (Colab) the same cells also time `pallas` and `triton`.
+# that run in seconds on a CPU. On a GPU runtime (Colab) the same cells also time `triton`; on a TPU, `pallas`.
 
 # %% [install]
 
@@ -30,7 +30,7 @@ from rljax.kernels import bench_logprobs
 from rljax import kernels
 
 backend = jax.default_backend()
-impls = bench_logprobs.default_impls(backend)  # reference, xla (+ pallas, triton on accelerators)
+impls = bench_logprobs.default_impls(backend)  # reference, xla (+ triton on GPUs, pallas on TPUs)
 print("backend:", backend, "| registered:", kernels.IMPLS.names(), "| timed here:", impls)
 
 
@@ -50,7 +50,9 @@ def inputs(n, d, v, seed=0):
 
 # %%
 hidden, unembed, targets, cot = inputs(64, 64, 1000)  # V not a multiple of the block: exercises padding
-check_impls = [i for i in kernels.IMPLS.names() if i != "triton" or backend == "gpu"]
+check_impls = [
+    i for i in kernels.IMPLS.names() if kernels.api.RUNS_ON[i] is None or backend in kernels.api.RUNS_ON[i]
+]
 
 
 def value_and_grads(impl):
@@ -108,7 +110,7 @@ assert memory["xla"][-1] < memory["reference"][-1] / 4  # the point of fusing: f
 # ## 3. Time: one jitted forward + backward step
 #
 # Median of a few interleaved runs (`bench_logprobs.run`). On a CPU the fused XLA path trades some speed for
-# memory; on a GPU the Triton kernel is the fast one.
+# memory; on an H200 it was also the fastest (0.059 s against Triton's 0.688 s at Qwen2.5-7B's head).
 
 # %%
 sizes = [(512, 128, 8192), (1024, 256, 32768)]
@@ -118,7 +120,9 @@ for n_, d_, v_ in sizes:
     failed = {i: r["error"] for i, r in results.items() if "error" in r}
     assert not failed, failed  # every impl runs here (Pallas in interpret mode on CPU)
     timings.append(results)
-    print(f"N={n_} d={d_} V={v_}: " + "  ".join(f"{i} {r['seconds'] * 1e3:7.1f} ms" for i, r in results.items()))
+    print(
+        f"N={n_} d={d_} V={v_}: " + "  ".join(f"{i} {r['seconds'] * 1e3:7.1f} ms" for i, r in results.items())
+    )
 
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
 labels = [f"N={a}\nd={b}\nV={c}" for a, b, c in sizes]
