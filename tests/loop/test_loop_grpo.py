@@ -1,5 +1,6 @@
 """The default job, shortened, end to end: real vLLM (CPU build), real rewards, real weight sync with the
-canary, real orbax checkpoints, real TensorBoard files. Also async mode with max_staleness=1."""
+canary, real orbax checkpoints, real TensorBoard files. Also async mode with max_staleness=1 (on a server
+of its own: the test checks how the loop launches vLLM for the tcp transport)."""
 
 import json
 import os
@@ -24,10 +25,12 @@ def run_main(workdir, *overrides, config="configs/grpo.py", timeout=900):
     return proc, lines
 
 
-def test_default_job_shortened_trains_and_reward_rises(tmp_path):
+def test_default_job_shortened_trains_and_reward_rises(tmp_path, arith_server):
+    # On the session's tiny_arith server (the default job's model): the run pushes its weights first.
     steps = 16
     proc, lines = run_main(
         tmp_path,
+        *arith_server.main_args(),
         f"--config.trainer.steps={steps}",
         f"--config.trainer.eval_every={steps}",
         "--config.checkpoint.every_steps=8",

@@ -109,8 +109,10 @@ def test_a_table_that_misses_a_param_is_an_error(ckpts):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_fused_model_trains_through_main_with_vllm(tmp_path):
-    """Three GRPO steps of the smoke job with the fused decoder: every sync passes the canary at 1e-4."""
+def test_fused_model_trains_through_main_with_vllm(tmp_path, arith_server):
+    """Three GRPO steps of the smoke job with the fused decoder: every sync passes the canary at 1e-4.
+
+    On the session's tiny_arith server: the fused decoder's first push replaces whatever it served."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     cmd = [
@@ -123,6 +125,7 @@ def test_fused_model_trains_through_main_with_vllm(tmp_path):
         "--config.trainer.steps=3",
         "--config.trainer.eval_every=0",
         "--config.rollout.weight_sync.canary_tolerance=1e-4",
+        *arith_server.main_args(),
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
