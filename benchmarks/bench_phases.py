@@ -15,6 +15,10 @@ Ratios (medians of the steps after `--skip`, absolute seconds beside them):
   sync step = loop timing/step_s vs generation floor + bare update;
   async step = async loop timing/step_s vs max(generation, update + sync) of the sync loop
   (async_vs_floors: vs max(generation floor, bare update + sync)).
+CPU seconds (`cpu_clock`: this process's threads plus the vLLM server's processes) per phase of the
+sync loop and per async step: async_vs_core_floor = async step vs (CPU s of generation + update + sync)
+/ cores, the least time that work takes on this host however it overlaps; async_vs_bound = vs the larger
+of that and max(generation, update + sync).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_phases.py [--steps 10] [--skip 3] [--json out.json]
 """
