@@ -15,6 +15,10 @@ Ratios (medians of the steps after `--skip`, absolute seconds beside them):
   sync step = loop timing/step_s vs generation floor + bare update;
   async step = async loop timing/step_s vs max(generation, update + sync) of the sync loop
   (async_vs_floors: vs max(generation floor, bare update + sync)).
+CPU seconds (`cpu_clock`: this process's threads plus the vLLM server's processes) per phase of the
+sync loop and per async step: async_vs_core_floor = async step vs (CPU s of generation + update + sync)
+/ cores, the least time that work takes on this host however it overlaps; async_vs_bound = vs the larger
+of that and max(generation, update + sync).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_phases.py [--steps 10] [--skip 3] [--json out.json]
 """
@@ -22,6 +26,7 @@ Ratios (medians of the steps after `--skip`, absolute seconds beside them):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -32,6 +37,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from cpu_clock import CpuClock, PhaseCpu, core_floor_s
 
 TARGETS = {"update": 1.15, "generation": 1.2, "sync_step": 1.15, "async_step": 1.1}
 MODELS = {
@@ -95,9 +101,16 @@ def run_loop(cfg, workdir: Path) -> list[dict]:
     import jax
 
     from rljax.loop import train as train_module
+    from rljax.loop.phases import PhaseTimer
 
     compiles: list[float] = []
     writes: list[float] = []
+    cpu, cpu_rows, timed_phase = PhaseCpu(), [], PhaseTimer.phase
+
+    @contextlib.contextmanager
+    def phase(self, name: str):  # the loop's timer, also counting the phase's CPU seconds
+        with timed_phase(self, name), cpu.phase(name):
+            yield
 
     def listener(event: str, seconds: float, **_) -> None:
         if event.endswith("backend_compile_duration"):
@@ -108,18 +121,20 @@ def run_loop(cfg, workdir: Path) -> list[dict]:
 
     def counted_log(*args, **kwargs):  # compile seconds accumulated by each step's metrics line
         writes.append(sum(compiles))
+        cpu_rows.append(cpu.step())
         return log_step(*args, **kwargs)
 
-    train_module.log_step = counted_log
+    train_module.log_step, PhaseTimer.phase = counted_log, phase
     try:
         train_module.train(cfg, str(workdir))
     finally:
-        train_module.log_step = log_step
+        train_module.log_step, PhaseTimer.phase = log_step, timed_phase
         jax.monitoring.unregister_event_duration_listener(listener)
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing/step_s" in r]
-    for r, before, after in zip(rows, [0.0, *writes], writes, strict=False):
+    for r, before, after, cpu_s in zip(rows, [0.0, *writes], writes, cpu_rows, strict=False):
         r["bench/compile_s"] = after - before
+        r |= cpu_s
     return rows
 
 
@@ -139,8 +154,10 @@ def step_requests(cfg, steps: int) -> list[tuple[list[list[int]], int]]:
     return out
 
 
-def offline_generation(cfg, requests) -> tuple[list[float], list]:
-    """Seconds of `LLM.generate` per step and the last step's outputs, with the server's settings."""
+def offline_generation(cfg, requests) -> tuple[list[float], list[float], list, float]:
+    """Seconds and CPU seconds (this process and the engine's) of `LLM.generate` per step, the last
+    step's outputs, and the engine's CPU seconds in the second after its last generate, with the
+    server's settings."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -168,7 +185,7 @@ def offline_generation(cfg, requests) -> tuple[list[float], list]:
         enforce_eager=True,
         logprobs_mode="processed_logprobs",
     )
-    times, outputs = [], None
+    times, cpus, outputs, clock = [], [], None, CpuClock()
     try:
         for ids, seed in requests:
             params = [
@@ -182,9 +199,12 @@ def offline_generation(cfg, requests) -> tuple[list[float], list]:
                 )
                 for i in range(len(ids))
             ]
-            t0 = time.perf_counter()
+            clock.rescan()  # the engine core's processes
+            (c0, k0), t0 = clock.read(), time.perf_counter()
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
             times.append(time.perf_counter() - t0)
+            c1, k1 = clock.read()
+            cpus.append(c1 - c0 + k1 - k0)
         idle = idle_cpu_seconds(1.0)
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -192,7 +212,8 @@ def offline_generation(cfg, requests) -> tuple[list[float], list]:
         gc.collect()
         os.environ.clear()
         os.environ.update(saved)
-    return times, [(list(o.prompt_token_ids), list(c.token_ids)) for o in outputs for c in o.outputs], idle
+    sequences = [(list(o.prompt_token_ids), list(c.token_ids)) for o in outputs for c in o.outputs]
+    return times, cpus, sequences, idle
 
 
 def _children_cpu_s() -> float:
@@ -219,10 +240,15 @@ def idle_cpu_seconds(window_s: float) -> float:
     return _children_cpu_s() - before
 
 
-def bare_update(model_path: str, sequences, repeats: int) -> list[float]:
-    """Seconds per bare value_and_grad + AdamW step on `sequences` [(prompt, completion)], no padding."""
+def bare_update(model_path: str, sequences, repeats: int) -> tuple[list[float], list[float]]:
+    """(seconds, CPU seconds) per bare value_and_grad + AdamW step on `sequences` [(prompt, completion)],
+    no padding."""
     step = make_bare_step(model_path, sequences)
-    return [timed(step) for _ in range(repeats + 2)][2:]  # the first two calls compile
+    runs = []
+    for _ in range(repeats + 2):
+        c0 = time.process_time()
+        runs.append((timed(step), time.process_time() - c0))
+    return [w for w, _ in runs[2:]], [c for _, c in runs[2:]]  # the first two calls compile
 
 
 def timed(fn) -> float:
@@ -392,6 +418,48 @@ def summarize(sync_rows, async_rows, gen_floor, bare, isolated) -> dict:
     return out
 
 
+def cpu_summary(sync_rows, async_rows, gen_cpu, bare_cpu, s: dict) -> dict:
+    """Each phase's CPU seconds (trainer + server processes) and the core-bound floor of the async step:
+    (CPU s of generation + update + sync) / cores, beside max(generation, update + sync) wall seconds."""
+    cores = len(os.sched_getaffinity(0))
+    loop = {p: med(sync_rows, f"bench/cpu_{p}_s") for p in ("rollout", "update", "weight_sync")}
+    loop["step"] = med(sync_rows, "bench/cpu_step_s")
+    floors = {"generation": float(np.median(gen_cpu)), "bare_update": float(np.median(bare_cpu))}
+    out = {"cpu_seconds": {"cores": cores, "sync_loop": loop, "floors": floors}}
+    if not async_rows:
+        return out
+    step = med(async_rows, "timing/step_s")
+    cpu_step = med(async_rows, "bench/cpu_step_s")
+    out["cpu_seconds"]["async_loop_step"] = cpu_step
+    out["cpu_seconds"]["async_loop_utilization"] = cpu_step / max(step * cores, 1e-9)
+    core = core_floor_s([loop["rollout"], loop["update"], loop["weight_sync"]], cores)
+    core0 = core_floor_s([floors["generation"], floors["bare_update"], loop["weight_sync"]], cores)
+    for key, floor in (("async_vs_core_floor", core), ("async_vs_core_floors", core0)):
+        out[key] = {"seconds": step, "floor_seconds": floor, "ratio": step / max(floor, 1e-9)}
+    # the async step's bound on this host: it cannot beat either
+    bound = max(s["async_step"]["floor_seconds"], core)
+    out["async_vs_bound"] = {"seconds": step, "floor_seconds": bound, "ratio": step / max(bound, 1e-9)}
+    return out
+
+
+def print_cpu(s: dict) -> None:
+    c = s["cpu_seconds"]
+    parts = ", ".join(f"{k}={v:.3f}" for k, v in c["sync_loop"].items())
+    print(
+        f"CPU s per step (trainer + server, {c['cores']} cores): sync loop {parts}; floors "
+        + ", ".join(f"{k}={v:.3f}" for k, v in c["floors"].items())
+    )
+    if "async_loop_step" not in c:
+        return
+    print(
+        f"async loop: {c['async_loop_step']:.3f} CPU s per step, "
+        f"{c['async_loop_utilization']:.0%} of the cores"
+    )
+    for k in ("async_vs_core_floor", "async_vs_core_floors", "async_vs_bound"):
+        row = s[k]
+        print(f"{k:<20s} {row['seconds']:9.3f} {row['floor_seconds']:9.3f} {row['ratio']:7.2f}")
+
+
 def print_table(s: dict, header: str) -> None:
     print(header)
     print(f"{'phase':<16s} {'rljax s':>9s} {'floor s':>9s} {'ratio':>7s}  target")
@@ -468,11 +536,13 @@ def main(argv=None) -> dict:
         async_rows = []
         if not args.skip_async:
             async_rows = run_loop(loop_config(model, args, 1), Path(tmp) / "async")[args.skip :]
-        gen_times, sequences, idle_cpu = offline_generation(sync_cfg, step_requests(sync_cfg, args.steps))
-        bare = bare_update(model, sequences, args.repeats)
+        requests = step_requests(sync_cfg, args.steps)
+        gen_times, gen_cpu, sequences, idle_cpu = offline_generation(sync_cfg, requests)
+        bare, bare_cpu = bare_update(model, sequences, args.repeats)
         isolated = isolated_update(sync_cfg, sequences, args.repeats)
         params = _count_params(Path(model))
     s = summarize(sync_rows, async_rows, gen_times[args.skip :], bare, isolated)
+    s |= cpu_summary(sync_rows, async_rows, gen_cpu[args.skip :], bare_cpu, s)
     s["model_params"] = params
     s["offline_engine_cpu_s_in_1s_after_generate"] = idle_cpu
     s["config"] = vars(args) | {
@@ -489,6 +559,7 @@ def main(argv=None) -> dict:
         f"({s['generated_tokens_per_step']:.0f} generated); medians of steps {args.skip + 1}..{args.steps}"
     )
     print_table(s, header)
+    print_cpu(s)
     print(f"offline engine: {idle_cpu:.2f} CPU s used in the 1 s after its last generate (idle spin)")
     h = s["host"]
     print(f"host: {h['cpus']} cores, load average (1/5/15 min) {h['loadavg_before']} -> {h['loadavg_after']}")

@@ -35,6 +35,13 @@ def test_bench_phases_reports_every_phase_against_its_floor(tmp_path):
     assert 0.0 <= s["batch/pad_fraction"] < 1.0 and s["generated_tokens_per_step"] > 0
     assert s["model_params"] > 0 and s["host"]["cpus"] >= 1
     assert set(s["sync_loop_parts_s"]) >= {"rollout", "update", "weight_sync"}
+    # CPU seconds per phase: the trainer's and the server's processes (generation runs in the server)
+    cpu = s["cpu_seconds"]
+    assert cpu["cores"] == s["host"]["cpus"]
+    assert all(cpu["sync_loop"][p] > 0 for p in ("rollout", "update", "weight_sync", "step"))
+    assert cpu["sync_loop"]["step"] >= cpu["sync_loop"]["update"]
+    assert cpu["floors"]["generation"] > 0 and cpu["floors"]["bare_update"] > 0
+    assert "CPU s per step" in proc.stdout
 
 
 def test_micro_sweep_times_each_micro_batch_size_against_the_bare_step(tmp_path):
