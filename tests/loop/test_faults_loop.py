@@ -4,7 +4,8 @@ checkpoints) and real JAX multi-process jobs, each fault ending in recovery or a
 One run owns its server and goes through, in order: the server SIGKILLed mid-generation (step 1's
 rollout) and mid-sync (step 2's push), a planted non-finite gradient (step 3, tests/support/fault_main.py),
 a reward function that hangs, then SIGTERM preemption; the rerun resumes from the preempted checkpoint,
-and a third run, after the latest checkpoint is garbled, falls back to the one before. The server faults
+and a third run, after the latest checkpoint is garbled, falls back to the one before (both reruns against
+the test run's shared tiny_arith server, `arith_server`). The server faults
 are timed by RLJAX_TEST_FAULTS, which tests/support/fault_main.py wires in at the rollout engine's boundary
 (tests/support/faults.py); the kills are real SIGKILLs of the server's processes.
 """
@@ -98,7 +99,9 @@ def garble(step_dir: pathlib.Path) -> None:
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_loop_recovers_from_server_reward_and_gradient_faults_then_preempts_and_resumes(tmp_path):
+def test_loop_recovers_from_server_reward_and_gradient_faults_then_preempts_and_resumes(
+    tmp_path, arith_server
+):
     work = tmp_path / "run"
     work.mkdir()
     # evaluation is off (trainer.eval_every=0): generate call 1 is step 1's rollout, sync call 2 step 2's push
@@ -143,8 +146,10 @@ def test_loop_recovers_from_server_reward_and_gradient_faults_then_preempts_and_
     assert sum(m["reward_fn/timeouts"] for m in train) == 1 and sum(timeouts) == 1, timeouts
     assert sum(m["reward_fn/worker_restarts"] for m in train) >= 1
 
-    # (f) the rerun resumes from the preempted checkpoint and finishes
-    proc = start_main(work, steps=preempted + 1)
+    # (f) the rerun resumes from the preempted checkpoint and finishes. The reruns take their rollouts from
+    # the test run's tiny_arith server (the model of the smoke preset): what they check is the checkpoint
+    # path, and each owned server would cost a vLLM start-up (~25-60 s on 2 cores); run A owns its server.
+    proc = start_main(work, steps=preempted + 1, extra_args=arith_server.main_args())
     out = finish(proc, timeout=400)
     assert proc.returncode == 0, out[-4000:]
     assert f"rljax: finished {preempted + 1} steps" in out
@@ -156,7 +161,7 @@ def test_loop_recovers_from_server_reward_and_gradient_faults_then_preempts_and_
     # and trains on, saving the garbled step's number afresh (the bad copy is moved to checkpoints/corrupt/).
     garbled = preempted + 1
     garble(work / "checkpoints" / str(garbled))
-    proc = start_main(work, steps=garbled + 1)
+    proc = start_main(work, steps=garbled + 1, extra_args=arith_server.main_args())
     out = finish(proc, timeout=400)
     assert proc.returncode == 0, out[-4000:]
     assert f"checkpoint step {garbled} in" in out and "falling back to an earlier step" in out
