@@ -39,7 +39,7 @@ def main(process_id: int, port: int, ckpt: str, out_dir: str) -> None:
         fn = training_path(*a, **k)
 
         def call(params, batch):
-            calls.append(int(np.asarray(batch.input_ids).shape[-1]))
+            calls.append(int(batch.input_ids.shape[-1]))  # a global array: its shape only
             return fn(params, batch)
 
         return call
