@@ -243,20 +243,23 @@ def push_sharded(
     fn = canary(params)
     pushed, result = False, {}
     try:
-        shared = _share(key, [b.descriptor() for b in mine], error)
-        if not is_leader():
-            _follow_canary(fn)
-        else:
-            try:
-                buckets, per_process = shared
-                metrics = push(StagedBuckets(buckets, per_process), _leading_canary(fn)) if push else {}
-            finally:
-                _broadcast_canary(None)
-            result = metrics | {
+        try:
+            shared = _share(key, [b.descriptor() for b in mine], error)
+        except Exception as e:  # noqa: BLE001 - the leader raises it inside the canary collective
+            shared = e
+
+        def lead(logprobs) -> dict:  # the leader's push; the others follow its canary requests
+            if isinstance(shared, Exception):
+                raise shared
+            buckets, per_process = shared
+            metrics = push(StagedBuckets(buckets, per_process), logprobs) if push else {}
+            return metrics | {
                 "weight_sync/staged_bytes_max_process": float(max(per_process)),
                 "weight_sync/staged_bytes_min_process": float(min(per_process)),
                 "weight_sync/shard_stage_seconds": stage_s,  # the leader's own cast + copy + write
             }
+
+        result = canary_collective(fn, lead if is_leader() else None)
         pushed = error is None
     finally:
         _retire(mine, keep=keep and pushed)
@@ -334,6 +337,22 @@ def _broadcast_canary(tokens: tuple | None) -> dict:
             "completion": np.asarray(completion, np.int32),
         }
     return broadcast_tree(tree, _CANARY_LIKE)
+
+
+def canary_collective(fn: Callable, lead: Callable[[Callable], dict] | None) -> dict:
+    """The canary's trainer side as a collective: `fn(prompt_ids, completion_ids)` (the sharded training
+    path) needs every process. The leader returns `lead(logprobs)`, where each `logprobs` call is broadcast
+    first so the others join it (`_follow_canary`) until the leader says the push is over (also on
+    failure); the others (`lead` None) return {}."""
+    if jax.process_count() == 1:
+        return lead(fn) if lead is not None else {}
+    if lead is None:
+        _follow_canary(fn)
+        return {}
+    try:
+        return lead(_leading_canary(fn))
+    finally:
+        _broadcast_canary(None)
 
 
 def _leading_canary(fn: Callable) -> Callable:

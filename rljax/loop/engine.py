@@ -17,18 +17,23 @@ still gather the params to the leader (`host_params`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from rljax import kernels, models, trainer
+from rljax import models, trainer
 from rljax.config import Config, canary_tolerance, serving_dtype
-from rljax.loop.distributed import host_params, is_leader, push_sharded, single_host, to_host
+from rljax.loop.distributed import (
+    canary_collective,
+    host_params,
+    is_leader,
+    push_sharded,
+    single_host,
+    to_host,
+)
 from rljax.rollout import ClientOptions, RolloutEngine, placement
 from rljax.rollout.auth import read_token_file
 from rljax.rollout.server import options_from_config
@@ -39,101 +44,96 @@ from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, ShardStager
 
 
 def make_canary_logprobs(cfg: Config, model_config, mesh, data_parallel: int) -> Callable:
-    """`fn(params) -> (fn(prompt_ids, completion_ids) -> f32[C])`: the trainer's log-probs (temperature 1)."""
+    """`fn(params) -> CanaryScorer`: the canary's trainer side, the training path's log-prob function
+    (`trainer.make_logprob_fn`: compute dtype, `trainer.logprob_impl`, sharded params; temperature 1).
+    The one log-prob scorer of the canary in every layout."""
     logprob_fn = trainer.make_logprob_fn(cfg, model_config, mesh)
-    return lambda params: lambda p, c: _canary_logprobs(logprob_fn, mesh, data_parallel, params, p, c)
+    return lambda params: CanaryScorer(logprob_fn, mesh, data_parallel, params)
 
 
-def _canary_logprobs(logprob_fn, mesh, data_parallel, params, prompt_ids, completion_ids) -> np.ndarray:
-    traj = Trajectory(list(prompt_ids), list(completion_ids), [-1.0] * len(completion_ids), 0.0, 0, 0)
-    batch = build_loss_inputs([traj] * data_parallel, np.zeros(data_parallel), temperature=1.0)
-    logp, _ = logprob_fn(params, trainer.shard_batch(batch, mesh))
-    start = len(prompt_ids) - 1
-    return to_host(logp)[0, start : start + len(completion_ids)]
+@dataclasses.dataclass(frozen=True)
+class CanaryScorer:
+    """`self(prompt_ids, completion_ids) -> f32[C]`: the training path's log-probs of the completion;
+    `dispatch(...)` starts the same forward without waiting and returns the function that waits. In a
+    multi-process job both are collectives (every process calls them with the same tokens)."""
 
+    logprob_fn: Callable
+    mesh: Any
+    data_parallel: int
+    params: Any
 
-@functools.partial(jax.jit, static_argnums=0)
-def _local_token_logprobs(model_config, params, input_ids, targets):
-    hidden = models.hidden_states(model_config, params, input_ids)[0]
-    return kernels.token_logprobs(hidden, models.unembed_matrix(model_config, params), targets)
+    def dispatch(self, prompt_ids, completion_ids) -> Callable[[], np.ndarray]:
+        traj = Trajectory(list(prompt_ids), list(completion_ids), [-1.0] * len(completion_ids), 0.0, 0, 0)
+        batch = build_loss_inputs([traj] * self.data_parallel, np.zeros(self.data_parallel), temperature=1.0)
+        logp, _ = self.logprob_fn(self.params, trainer.shard_batch(batch, self.mesh))
+        start = len(prompt_ids) - 1
+        return lambda: to_host(logp)[0, start : start + len(completion_ids)]
 
-
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _greedy_then_logprobs(model_config, params, ids, prompt_len):
-    """(g i32[], logp f32[C]): the trainer's greedy token after `ids[:prompt_len]`, then the log-probs
-    (temperature 1) of `ids[prompt_len:]` with its first token replaced by g. `ids` i32[P + C]."""
-    unembed = models.unembed_matrix(model_config, params)
-    last = models.hidden_states(model_config, params, ids[None, :prompt_len])[0, -1]
-    g = jnp.argmax(last.astype(jnp.float32) @ unembed.T.astype(jnp.float32)).astype(ids.dtype)
-    ids = ids.at[prompt_len].set(g)
-    hidden = models.hidden_states(model_config, params, ids[None, :-1])[0]
-    return g, kernels.token_logprobs(hidden, unembed, ids[1:])[prompt_len - 1 :]
+    def __call__(self, prompt_ids, completion_ids) -> np.ndarray:
+        return self.dispatch(prompt_ids, completion_ids)()
 
 
 class SpeculativeCanary:
     """The canary's trainer side started before the server is asked: `self(prompt, completion) -> f32[C]`.
 
-    Dispatches (without waiting) the trainer's forward of `spec.prompt_ids + [g] + spec.completion_ids[1:]`
-    with its own greedy token g, so it runs while the weights are staged and loaded. The canary asks for
-    the server's greedy token first: when it equals g, the answer is that forward's log-probs
-    (`answered_early`); otherwise (or for any other tokens) `exact(prompt, completion)` computes them.
-    Either way the values compared with the server's are the trainer's log-probs of exactly the tokens
-    the server scored.
+    Dispatches (without waiting) the training-path forward (`scorer.dispatch`) of `spec.prompt_ids +
+    [guess] + spec.completion_ids[1:]`, where `guess` is the server's greedy token of the previous push
+    (the canary's first fixed token at the first), so it runs while the weights are staged and loaded.
+    When the server's greedy token equals the guess, the answer is that forward's log-probs
+    (`answered_early`); otherwise the same scorer scores the server's exact tokens. Either way the values
+    compared with the server's are the training path's log-probs of exactly the tokens the server scored.
+    `greedy` (a one-item list) is updated with the server's greedy token for the next push.
     """
 
-    def __init__(self, model_config, params, spec, exact: Callable):
-        self._prompt, self._fixed, self._exact = list(spec.prompt_ids), list(spec.completion_ids), exact
-        ids = jnp.asarray(self._prompt + self._fixed, jnp.int32)
-        self._g, self._logp = _greedy_then_logprobs(model_config, params, ids, len(self._prompt))
+    def __init__(self, scorer: CanaryScorer, spec: CanarySpec, greedy: list[int]):
+        self._scorer, self._greedy = scorer, greedy
+        if not greedy:
+            greedy.append(int(spec.completion_ids[0]))
+        self._prompt = [int(t) for t in spec.prompt_ids]
+        self._guess = [greedy[0], *(int(t) for t in spec.completion_ids[1:])]
+        self._early = scorer.dispatch(self._prompt, self._guess)
         self.answered_early = False
 
     def __call__(self, prompt_ids, completion_ids) -> np.ndarray:
-        ours = list(prompt_ids) == self._prompt and list(completion_ids[1:]) == self._fixed[1:]
-        if ours and len(completion_ids) == len(self._fixed) and int(completion_ids[0]) == int(self._g):
+        prompt, completion = [int(t) for t in prompt_ids], [int(t) for t in completion_ids]
+        if prompt == self._prompt and completion:
+            self._greedy[0] = completion[0]
+        if prompt == self._prompt and completion == self._guess:
             self.answered_early = True
-            return np.asarray(self._logp)
-        return self._exact(prompt_ids, completion_ids)
-
-
-def local_logprobs(model_config, params, prompt_ids, completion_ids) -> np.ndarray:
-    """f32[C] log-probs (temperature 1) of `completion_ids` after `prompt_ids` on this process's device."""
-    ids = jnp.asarray([list(prompt_ids) + list(completion_ids)], jnp.int32)
-    logp = _local_token_logprobs(model_config, params, ids[:, :-1], ids[0, 1:])
-    start = len(prompt_ids) - 1
-    return np.asarray(logp)[start : start + len(completion_ids)]
+            return self._early()
+        return self._scorer(prompt, completion)
 
 
 @dataclasses.dataclass(frozen=True)
 class JaxWeights:
     """The engine's `WeightSource` for the trainer's params (a pytree of possibly sharded jax arrays).
 
-    `canary_logprobs(params) -> fn(prompt_ids, completion_ids) -> f32[C]` (`make_canary_logprobs`);
-    `dtype`: the serving dtype (params are cast to it on device before staging; None: as they are).
+    `canary_logprobs(params) -> CanaryScorer` (`make_canary_logprobs`); `dtype`: the serving dtype
+    (params are cast to it on device before staging; None: as they are). `greedy`: the server's last
+    greedy canary token (`SpeculativeCanary`).
     """
 
     model_config: Any
     canary_logprobs: Callable
     dtype: str | None = None
+    greedy: list = dataclasses.field(default_factory=list, compare=False)
 
     def push(self, params, canary: CanarySpec | None, push: Callable | None) -> dict:
-        """`push(snapshot)` on the leader; on other processes (`push` None) only the gather's collective."""
-        if push is None:
-            host_params(params, self.dtype)  # the leader's gather needs every process
-            return {}
-        return push(self.snapshot(params, canary))
+        """`push(snapshot)` on the leader; on other processes (`push` None) the gather's and the canary's
+        collectives (multi-host: the canary's scorer is the sharded training path, driven by the leader)."""
+        host = host_params(params, self.dtype)  # multi-process: a collective
+        scorer = self.canary_logprobs(params)
+        if jax.process_count() == 1:
+            early = SpeculativeCanary(scorer, canary, self.greedy)
+            return push(JaxSnapshot(self.model_config, host, self.dtype, _Memo(early), early=early))
+
+        def lead(logprobs) -> dict:
+            return push(JaxSnapshot(self.model_config, host, self.dtype, _Memo(logprobs)))
+
+        return canary_collective(scorer, lead if push is not None else None)
 
     def close(self) -> None:
         pass
-
-    def snapshot(self, params, canary: CanarySpec) -> JaxSnapshot:
-        """Must be called by every process: the host copy of the weights is a collective."""
-        host = host_params(params, self.dtype)
-        if jax.process_count() > 1:  # the leader alone scores canary tokens, on one device, from `host`
-            logprobs = functools.partial(local_logprobs, self.model_config, host)
-            return JaxSnapshot(self.model_config, host, self.dtype, logprobs, kept=host)  # numpy already
-        early = SpeculativeCanary(self.model_config, params, canary, self.canary_logprobs(params))
-        # kept: copied to numpy by keep(), since the next update donates the device arrays
-        return JaxSnapshot(self.model_config, host, self.dtype, early, kept=params, early=early)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,24 +141,18 @@ class JaxSnapshot:
     model_config: Any
     host: Any  # fully addressable params in the serving dtype (`host_params`)
     dtype: str | None
-    logprobs: Callable
-    kept: Any  # what `keep` copies to host memory
+    logprobs: _Memo  # the training path's canary answers of this push
     early: SpeculativeCanary | None = None  # the canary's trainer side started before the push
 
     def tensors(self):
         return models.iter_hf_tensors(self.model_config, self.host, self.dtype)
 
     def keep(self) -> Callable[[], JaxSnapshot]:
-        """A host copy; the returned function puts it on one local device (only when a recovery needs it,
-        so the copy costs device memory only during that recovery)."""
-        host = jax.tree.map(lambda x: np.array(x) if isinstance(x, jax.Array) else x, self.kept)
-
-        def on_device() -> JaxSnapshot:
-            local = jax.device_put(host, jax.local_devices()[0])
-            logprobs = functools.partial(local_logprobs, self.model_config, local)
-            return JaxSnapshot(self.model_config, local, self.dtype, logprobs, kept=host)
-
-        return on_device
+        """A host copy of the weights (the next update donates the device arrays) and the canary's
+        answers of this push (a recovery's re-push is checked against them, `_Memo`)."""
+        host = jax.tree.map(lambda x: np.array(x) if isinstance(x, jax.Array) else x, self.host)
+        kept = JaxSnapshot(self.model_config, host, self.dtype, self.logprobs.frozen())
+        return lambda: kept
 
     def metrics(self) -> dict[str, float]:
         if self.early is None:

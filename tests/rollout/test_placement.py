@@ -5,16 +5,11 @@ import subprocess
 import sys
 import textwrap
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from rljax import config as C
-from rljax import models
-from rljax.loop.engine import SpeculativeCanary, local_logprobs
 from rljax.rollout import placement
 from rljax.rollout.server import ServerOptions, server_env
-from rljax.weight_sync.canary import make_canary
 
 
 def test_auto_leaves_the_trainer_all_cores_in_sync_mode_and_splits_them_in_async_mode():
@@ -88,40 +83,6 @@ def test_quiet_idle_spin_lowers_vllms_busy_loop():
     env = dict(os.environ, **{placement.IDLE_SPIN_ENV: "0.002"})
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert [float(x) for x in out.stdout.split()] == [1.0, 5000, 0.002, placement.IDLE_RECHECK_MS]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from rljax.models.tiny import build_tiny_checkpoint
-
-    path = build_tiny_checkpoint(tmp_path_factory.mktemp("m"), "qwen2", seed=5)
-    return models.load_hf_checkpoint(path, dtype=jnp.float32)
-
-
-def test_speculative_canary_equals_the_exact_trainer_logprobs(tiny_model):
-    config, params = tiny_model
-    spec = make_canary(config.vocab_size, prompt_len=20, completion_len=6)
-    calls = []
-
-    def exact(p, c):
-        calls.append(list(c))
-        return local_logprobs(config, params, p, c)
-
-    answer = SpeculativeCanary(config, params, spec, exact)
-    ids = jnp.asarray([list(spec.prompt_ids)], jnp.int32)
-    logits = models.hidden_states(config, params, ids)[0, -1] @ models.unembed_matrix(config, params).T
-    g = int(jnp.argmax(logits))
-    matching = [g, *spec.completion_ids[1:]]
-    got = answer(list(spec.prompt_ids), matching)
-    np.testing.assert_allclose(got, local_logprobs(config, params, spec.prompt_ids, matching), atol=1e-5)
-    assert calls == [] and answer.answered_early  # answered from the forward started early
-    other = [(g + 1) % config.vocab_size, *spec.completion_ids[1:]]  # the server chose another token
-    np.testing.assert_allclose(
-        answer(list(spec.prompt_ids), other),
-        local_logprobs(config, params, spec.prompt_ids, other),
-        atol=1e-6,
-    )
-    assert calls == [other]
 
 
 def test_engine_close_gives_the_cores_back():

@@ -1,0 +1,83 @@
+"""One process of the 2-process x 4-CPU-device single-canary-path test (tests/weight_sync/
+test_canary_single_path.py).
+
+Usage: python mp_canary_worker.py PROCESS_ID PORT CKPT OUT_DIR
+Counts every call into the training path's log-prob function (`rljax.trainer.make_logprob_fn`'s
+result) and pushes through both multi-process layouts of `rljax.loop.engine`: `JaxWeights` (trainers on
+several hosts) and `ShardedJaxWeights` (one host), with a leader-side push that asks the canary's
+trainer side what `weight_sync.canary.check_canary` asks (the server's greedy token differs from the
+canary's fixed first token), then the kept snapshot's answers (a recovery's re-push). Each process
+writes its counts and the leader's answers to OUT_DIR/canary<i>.pkl.
+"""
+
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+
+import jax  # noqa: E402
+
+
+def main(process_id: int, port: int, ckpt: str, out_dir: str) -> None:
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
+    )
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import mp_trainer_common as C
+    import numpy as np
+
+    from rljax import models, trainer
+    from rljax.loop import engine
+    from rljax.weight_sync.canary import make_canary
+    from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, ShardStager
+
+    calls = []
+    training_path = trainer.make_logprob_fn
+
+    def counted(*a, **k):
+        fn = training_path(*a, **k)
+
+        def call(params, batch):
+            calls.append(int(batch.input_ids.shape[-1]))  # a global array: its shape only
+            return fn(params, batch)
+
+        return call
+
+    trainer.make_logprob_fn = counted
+    cfg, mesh = C.base_config(), C.mesh_of(jax.devices(), 1, 4, 2)
+    model_config, params = models.load_hf_checkpoint(ckpt, mesh=mesh)
+    canary = engine.make_canary_logprobs(cfg, model_config, mesh, data_parallel=4)
+    spec = make_canary(model_config.vocab_size, prompt_len=20, completion_len=6)
+    server_tokens = [(spec.completion_ids[0] + 1) % model_config.vocab_size, *spec.completion_ids[1:]]
+    spec_hf = models.hf_tensor_specs(model_config)
+    stager = ShardStager(DEFAULT_STAGING_DIR, bucket_bytes=64 * 1024, checksums=True, spec=spec_hf)
+    layouts = {
+        "multi_host": engine.JaxWeights(model_config, canary),
+        "one_host": engine.ShardedJaxWeights(engine.JaxWeights(model_config, canary), stager, max_restarts=1),
+    }
+    out = {"calls": {}, "answers": {}, "kept": {}}
+    for name, weights in layouts.items():
+        seen = {}
+
+        def push(snapshot, seen=seen):  # the leader's side: what check_canary asks
+            seen["answer"] = np.asarray(snapshot.logprobs(list(spec.prompt_ids), server_tokens))
+            seen["kept"] = snapshot.keep()
+            return {}
+
+        before = len(calls)
+        weights.push(params, spec, push if process_id == 0 else None)
+        out["calls"][name] = len(calls) - before
+        if process_id == 0:
+            out["answers"][name] = seen["answer"]
+            before = len(calls)  # a recovery: the leader alone, no collective, no new forward
+            out["kept"][name] = np.asarray(seen["kept"]().logprobs(list(spec.prompt_ids), server_tokens))
+            out["calls"][name + "_recovery"] = len(calls) - before
+    direct = canary(params)(list(spec.prompt_ids), server_tokens)  # a collective: both processes
+    out["direct"] = np.asarray(direct)
+    weights.close()
+    C.save_pickle(out, os.path.join(out_dir, f"canary{process_id}.pkl"))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:5])
