@@ -23,37 +23,48 @@ def _stat(pid: int) -> tuple[int, int]:
 class CpuClock:
     """`read() -> (trainer CPU s, descendants' CPU s)`. The descendants are found once by a /proc scan
     and again only when one of them has gone (the server's processes live as long as the loop), so a
-    read costs a few /proc reads, not a scan."""
+    read costs a few /proc reads, not a scan. A descendant counts from when a scan first finds it (what
+    it used before is not this clock's), and one that exits keeps what it was last read at, so the
+    descendants' total never jumps when the set of processes changes."""
 
     def __init__(self):
         self._tick = os.sysconf("SC_CLK_TCK")
-        self._family: list[int] = []
+        self._base: dict[int, int] = {}  # pid -> its CPU ticks when first found
+        self._last: dict[int, int] = {}  # pid -> its CPU ticks when last read
+        self._gone = 0  # ticks of descendants that have exited, since they were found
 
     def _scan(self) -> None:
         stats = {}
         for pid in filter(str.isdigit, os.listdir("/proc")):
             with contextlib.suppress(OSError, IndexError, ValueError):
-                stats[int(pid)] = _stat(int(pid))[0]
+                stats[int(pid)] = _stat(int(pid))
         family, size = {os.getpid()}, 0
         while len(family) != size:
             size = len(family)
-            family |= {pid for pid, ppid in stats.items() if ppid in family}
-        self._family = sorted(family - {os.getpid()})
+            family |= {pid for pid, (ppid, _) in stats.items() if ppid in family}
+        family.discard(os.getpid())
+        for pid in set(self._base) - family:
+            self._gone += self._last.pop(pid) - self._base.pop(pid)
+        for pid in family - set(self._base):
+            self._base[pid] = self._last[pid] = stats[pid][1]
 
     def children_s(self) -> float:
-        for _ in range(2):
-            try:
-                return sum(_stat(p)[1] for p in self._family) / self._tick
-            except OSError:
-                self._scan()
-        return 0.0
+        try:
+            for pid in self._base:
+                self._last[pid] = _stat(pid)[1]
+        except OSError:  # one has exited: it keeps its last reading, the others are read again
+            self._scan()
+            for pid in self._base:
+                with contextlib.suppress(OSError):
+                    self._last[pid] = _stat(pid)[1]
+        return (self._gone + sum(self._last[p] - self._base[p] for p in self._base)) / self._tick
 
     def rescan(self) -> None:
         """Looks for new descendants (call after the server started)."""
         self._scan()
 
     def has_children(self) -> bool:
-        return bool(self._family)
+        return bool(self._base)
 
     def read(self) -> tuple[float, float]:
         return time.process_time(), self.children_s()

@@ -47,3 +47,20 @@ def test_phase_cpu_counts_this_process_and_a_child_process():
 def test_core_floor_divides_the_cpu_seconds_by_the_cores():
     assert core_floor_s([1.0, 2.0, 0.5], 2) == pytest.approx(1.75)
     assert core_floor_s([1.0], 0) == pytest.approx(1.0)
+
+
+def test_a_child_counts_from_when_it_is_found_not_its_earlier_cpu():
+    # A descendant that already used CPU before the clock found it (e.g. a vLLM server started earlier
+    # in the same process) must not land in the step that first sees it.
+    cpu = PhaseCpu()
+    spinner = subprocess.Popen([sys.executable, "-c", SPIN], stdin=subprocess.PIPE)
+    try:
+        time.sleep(1.5)  # it spins 0.4 CPU s, then waits on stdin
+        with cpu.phase("idle"):  # the first phase scans and finds it
+            time.sleep(0.2)
+        row = cpu.step()
+    finally:
+        spinner.communicate(b"\n", timeout=30)
+    assert cpu.clock.has_children()
+    assert row["bench/server_cpu_step_s"] < 0.1
+    assert row["bench/cpu_step_s"] >= row["bench/cpu_idle_s"] - 1e-6

@@ -35,7 +35,7 @@ import transformers
 
 from rljax import config as config_lib
 from rljax import models, trainer
-from rljax.loop.engine import local_logprobs
+from rljax.loop.engine import make_canary_logprobs
 from rljax.trajectory import Trajectory, build_loss_inputs
 from rljax.models.tiny import build_tiny_checkpoint
 from rljax.rollout import RolloutEngine, RolloutError, ServerOptions, StateDictWeights, VLLMServer
@@ -121,15 +121,17 @@ load_into_torch(hf_state)
 #
 # `engine.push_weights` stages the tensors in shared memory, pauses the server, loads them through vLLM's
 # RL weight-update endpoints, resumes, and then runs the **canary**: fixed tokens scored by the server and
-# by the engine's trainer side (rljax's fused `token_logprobs` path on the new params) must agree within
+# by the engine's trainer side (the training path's log-prob function on the new params) must agree within
 # `SyncOptions.canary_tolerance` (1e-4 here; the training loop's `rollout.weight_sync.canary_tolerance` is
 # 1e-3), or the push raises `WeightSyncError` and generation is refused. The first push also opens the
 # shared-memory transport and is the fresh server's first request (its warm-up): later pushes are faster.
 
 
 # %%
-def rljax_canary(prompt_ids, completion_ids):
-    return local_logprobs(model_config, params, prompt_ids, completion_ids)
+cfg = config_lib.Config()  # float32 params and compute, the default log-prob implementation
+mesh = make_mesh(data=1, fsdp=-1, tensor=1)
+# the canary's trainer side is the training path itself (`trainer.make_logprob_fn` on these params)
+rljax_canary = make_canary_logprobs(cfg, model_config, mesh, mesh.shape["data"] * mesh.shape["fsdp"])(params)
 
 
 # the sync's fixed tokens (sized for the server's KV block): compile the JAX side while vLLM starts
@@ -166,9 +168,7 @@ print(f"{len(completions)} completions, {sum(len(c.token_ids) for c in completio
 for c in completions[::5][:3]:
     print(f"  {tokenizer.decode(c.prompt_ids)!r} -> {tokenizer.decode(c.token_ids)[:60]!r}")
 
-cfg = config_lib.Config()  # float32 params and compute, the default log-prob implementation
-mesh = make_mesh(data=1, fsdp=-1, tensor=1)
-logprob_fn = trainer.make_logprob_fn(cfg, model_config, mesh)
+logprob_fn = trainer.make_logprob_fn(cfg, model_config, mesh)  # the update's old-policy log-probs
 
 
 def rljax_batch_logprobs(params, completions) -> list[np.ndarray]:

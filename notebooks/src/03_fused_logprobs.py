@@ -8,7 +8,7 @@
 #
 # Memory is the compiled temporary size of a jitted forward+backward step
 # (`jax.jit(f).lower(...).compile().memory_analysis()`), which needs no execution; time is measured at sizes
-# that run in seconds on a CPU. On a GPU runtime (Colab) the same cells also time `triton`; on a TPU, `pallas`.
+# that run in seconds on a CPU. On a GPU runtime (Colab) the same cells also time `triton`; on TPUs, `pallas`.
 
 # %% [install]
 
