@@ -240,8 +240,20 @@ class _ScriptedServer:
         self.tokens += 1 if self.progressing else 0
         return web.Response(text=f'vllm:generation_tokens_total{{engine="0"}} {self.tokens}.0\n')
 
-    def close(self):  # a daemon thread: stopping its loop leaves the (possibly hung) handler behind
+    async def _shutdown(self):
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:  # handlers still waiting (a hung engine's) end here, not in a later test's GC
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._runner.cleanup()
+
+    def close(self):
+        """Shuts the server down on its loop (cancelling a hung handler), then stops and closes the loop:
+        handler tasks left pending would log "Task was destroyed" into whichever later test collects them."""
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+        self._loop.close()
 
 
 def test_a_progressing_request_outlives_the_timeout_and_a_hung_one_moves():
