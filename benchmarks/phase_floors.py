@@ -79,7 +79,7 @@ def offline_generation(cfg, requests) -> tuple[list[float], list[float], list, f
             times.append(time.perf_counter() - t0)
             c1, k1 = clock.read()
             cpus.append(c1 - c0 + k1 - k0)
-        idle = idle_cpu_seconds(1.0)
+        idle = idle_cpu_seconds(clock, 1.0)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -90,11 +90,10 @@ def offline_generation(cfg, requests) -> tuple[list[float], list[float], list, f
     return times, cpus, sequences, idle
 
 
-def idle_cpu_seconds(window_s: float) -> float:
-    """CPU seconds the vLLM engine's processes use in the `window_s` right after a generate call returns
-    (an idle engine should use ~0; vLLM's worker alone busy-polls for 1 s unless told otherwise)."""
-    clock = CpuClock()
-    clock.rescan()
+def idle_cpu_seconds(clock: CpuClock, window_s: float) -> float:
+    """CPU seconds the vLLM engine's processes (`clock`'s descendants) use in the `window_s` right after a
+    generate call returns (an idle engine should use ~0; vLLM's worker alone busy-polls for 1 s unless
+    told otherwise)."""
     before = clock.children_s()
     time.sleep(window_s)
     return clock.children_s() - before

@@ -22,18 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .api import resolve_impl, token_logprobs
+from .api import RUNS_ON, resolve_impl, token_logprobs
 from .triton_gpu import triton_available
 
 
 def default_impls(backend: str) -> list[str]:
     """Impls worth timing on `backend` (Pallas runs only interpreted on CPU: far too slow to time there)."""
-    impls = ["reference", "xla"]
-    if backend == "tpu":
-        impls.append("pallas")
-    if backend == "gpu" and triton_available():
-        impls.append("triton")
-    return impls
+    compiled = [name for name, on in RUNS_ON.items() if on is not None and backend in on and backend != "cpu"]
+    return ["reference", "xla"] + [n for n in compiled if n != "triton" or triton_available()]
 
 
 def make_step(impl: str, targets: jax.Array, cotangent: jax.Array, entropy: bool, block_size: int | None):

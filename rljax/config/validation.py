@@ -111,16 +111,12 @@ def _check_names(cfg: Config) -> None:
     from rljax.models.attention import ATTENTION_IMPLS
     from rljax.models.remat import REMAT_POLICIES
 
-    if cfg.trainer.logprob_impl != "auto" and cfg.trainer.logprob_impl not in LOGPROB_IMPLS:
-        raise ConfigError(
-            "trainer.logprob_impl",
-            f"unknown name {cfg.trainer.logprob_impl!r}; valid: auto, {', '.join(LOGPROB_IMPLS.names())}",
-        )
-    if cfg.model.attention_impl != "auto" and cfg.model.attention_impl not in ATTENTION_IMPLS:
-        raise ConfigError(
-            "model.attention_impl",
-            f"unknown name {cfg.model.attention_impl!r}; valid: auto, {', '.join(ATTENTION_IMPLS.names())}",
-        )
+    for key, registry, name in [  # names that may also be "auto" (resolved by backend later)
+        ("trainer.logprob_impl", LOGPROB_IMPLS, cfg.trainer.logprob_impl),
+        ("model.attention_impl", ATTENTION_IMPLS, cfg.model.attention_impl),
+    ]:
+        if name != "auto" and name not in registry:
+            raise ConfigError(key, f"unknown name {name!r}; valid: auto, {', '.join(registry.names())}")
     if cfg.model.family != "auto":
         from rljax.models.model import resolve_decoder
 

@@ -33,18 +33,7 @@ def main(process_id: int, port: int, ckpt: str, out_dir: str) -> None:
     from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, ShardStager
 
     calls = []
-    training_path = trainer.make_logprob_fn
-
-    def counted(*a, **k):
-        fn = training_path(*a, **k)
-
-        def call(params, batch):
-            calls.append(int(batch.input_ids.shape[-1]))  # a global array: its shape only
-            return fn(params, batch)
-
-        return call
-
-    trainer.make_logprob_fn = counted
+    trainer.make_logprob_fn = C.counting_logprob_fn(trainer.make_logprob_fn, calls)
     cfg, mesh = C.base_config(), C.mesh_of(jax.devices(), 1, 4, 2)
     model_config, params = models.load_hf_checkpoint(ckpt, mesh=mesh)
     canary = engine.make_canary_logprobs(cfg, model_config, mesh, data_parallel=4)

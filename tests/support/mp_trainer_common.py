@@ -187,6 +187,23 @@ def reference_run() -> Reference:
     )
 
 
+def counting_logprob_fn(make_logprob_fn, calls: list):
+    """A `make_logprob_fn` whose functions append each call's sequence length to `calls` (the single
+    canary path tests: every call into the training path's log-prob function is counted). Only the
+    global shape is read, so it works on arrays that span processes."""
+
+    def counted(*a, **k):
+        fn = make_logprob_fn(*a, **k)
+
+        def call(params, batch):
+            calls.append(int(batch.input_ids.shape[-1]))
+            return fn(params, batch)
+
+        return call
+
+    return counted
+
+
 def save_pickle(obj, path: str) -> None:
     """Host values (numpy trees, dataclasses) to a file written by this test session only."""
     with open(path, "wb") as f:

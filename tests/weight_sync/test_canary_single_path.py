@@ -35,18 +35,8 @@ def tiny_ckpt(tmp_path_factory):
 
 
 def counted_training_path(monkeypatch) -> list:
-    calls, make = [], trainer.make_logprob_fn
-
-    def counted(*a, **k):
-        fn = make(*a, **k)
-
-        def call(params, batch):
-            calls.append(batch.input_ids.shape)
-            return fn(params, batch)
-
-        return call
-
-    monkeypatch.setattr(trainer, "make_logprob_fn", counted)
+    calls = []
+    monkeypatch.setattr(trainer, "make_logprob_fn", C.counting_logprob_fn(trainer.make_logprob_fn, calls))
     return calls
 
 
