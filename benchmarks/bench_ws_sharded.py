@@ -5,6 +5,7 @@ processes on one host. `run_sharded` starts the servers and P copies of the benc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import socket
@@ -65,12 +66,14 @@ def _report(args, result: dict, reload_s: float) -> None:
         f" ({', '.join(f'{b / model:.1%}' for b in per)}; sum {sum(per) / model:.1%})"
     )
     for v, rows in result["rounds"].items():
-        med = {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
-        tcp = (
-            f"; sent over tcp by this trainer host per push {med['tcp_bytes_per_host'] / 1e9:.3f} GB"
-            if v == "tcp"
-            else ""
-        )
+        med = {k: float(np.median([r[k] for r in rows])) for k in rows[0] if k != "sent_bytes_per_process"}
+        tcp = ""
+        if rows[0].get("sent_bytes_per_process"):  # each process served its own buckets
+            sent = np.median([r["sent_bytes_per_process"] for r in rows], axis=0)
+            tcp = (
+                f"; sent per push by each trainer process's own bucket server (GB)"
+                f" {[round(float(b) / 1e9, 4) for b in sent]} = {[f'{b / sum(sent):.1%}' for b in sent]}"
+            )
         print(
             f"{v:<5}: pause {med['probe_longest_s']:.2f} s ="
             f" {med['probe_longest_s'] / reload_s:.2f}x vLLM reload"
@@ -99,7 +102,7 @@ def run_worker(args, variants_table) -> None:
     from rljax.rollout import RolloutEngine
     from rljax.rollout.auth import read_token_file
     from rljax.sharding import make_mesh
-    from rljax.weight_sync import SyncOptions
+    from rljax.weight_sync import SyncOptions, served, transports
     from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, ShardStager
 
     env = json.loads(os.environ[_ENV])
@@ -110,6 +113,12 @@ def run_worker(args, variants_table) -> None:
     stager = ShardStager(DEFAULT_STAGING_DIR, bucket_bytes=args.bucket_mb << 20, checksums=False, spec=spec)
     base = SyncOptions(bucket_bytes=args.bucket_mb << 20, canary_tolerance=CANARY_TOLERANCES[args.dtype])
     weights = ShardedJaxWeights(JaxWeights(config, canary, args.dtype), stager)
+    made = []  # this process's bucket servers, one per streamed push
+
+    def serve(buckets, transport):
+        made.append(served.serve_buckets(buckets, transport, "127.0.0.1", base.tcp_timeout_s))
+        return made[-1]
+
     engine = None
     if pid == 0:
         token = read_token_file(env["token_file"]) or None
@@ -124,8 +133,15 @@ def run_worker(args, variants_table) -> None:
     for _ in range(args.repeats):
         for v in rounds:
             version += 1
+            options = dataclasses.replace(base, **variants_table[v])
+            streamed = transports.streams(options.transport)  # every process serves its own buckets
+            pushing = dataclasses.replace(
+                weights, serve=functools.partial(serve, transport=options.transport)
+            )
+            pushing = pushing if streamed else weights
             if engine is not None:
-                engine.syncer.options = dataclasses.replace(base, **variants_table[v])
+                engine.syncer.options, engine.weights = options, pushing
+            loop = engine if engine is not None else Follower(pushing)
             multihost_utils.sync_global_devices(f"round {version}")
             probe = B.Probe(env["urls"][0], engine.client.model, engine.syncer.headers) if engine else None
             if probe:
@@ -133,6 +149,8 @@ def run_worker(args, variants_table) -> None:
             t = time.perf_counter()
             m = loop.push_weights(params, version)
             push_s = time.perf_counter() - t
+            sent = np.asarray([made[-1].bytes_sent() if streamed and made else 0], np.int64)
+            sent = [int(x) for x in np.asarray(multihost_utils.process_allgather(sent)).reshape(-1)]
             if probe:
                 probe.__exit__(None, None, None)
                 rounds[v].append(
@@ -142,7 +160,7 @@ def run_worker(args, variants_table) -> None:
                         "shard_stage_s": m["weight_sync/shard_stage_seconds"],
                         "push_s": push_s,
                         "canary_max_abs_diff": m["weight_sync/canary_logprob_max_abs_diff"],
-                        "tcp_bytes_per_host": m["weight_sync/bytes"] * args.servers,  # one trainer host
+                        "sent_bytes_per_process": sent if streamed else [],
                     }
                 )
     if pid == 0:

@@ -8,7 +8,7 @@
 # Dedicated rollout nodes (the last k nodes each run one vLLM server as a Slurm step of its own,
 # `python -m rljax.rollout.serve`: rljax's tcp weight-transfer backend, processed log-probs, bound to the
 # node's private address, every route but /health behind a per-job bearer token; the trainer is given the
-# URLs, the token file and tcp weight sync to its leader's private address; docs/scale.md):
+# URLs, the token file and tcp weight sync from every trainer node's private address; docs/scale.md):
 #   RLJAX_ROLLOUT_NODES=1 sbatch --nodes=3 --ntasks-per-node=8 --gpus-per-node=8 launch/gpu_slurm.sh -- ...
 # CPU-only cluster (what the tests run): RLJAX_PLATFORM=cpu sbatch --ntasks=2 launch/gpu_slurm.sh -- \
 #       --config=configs/grpo.py:smoke --workdir=/tmp/rljax_slurm
@@ -185,17 +185,21 @@ new_server_token() {  # one token per start of the job, readable by this user on
 }
 
 rollout_args() {  # the trainer's overrides for the servers on SERVE_NODES; sets ROLLOUT_ARGS, SERVE_ADDRS
-  local port=$1 urls=() node addr leader
+  local port=$1 urls=() node addr trainers=()
   SERVE_ADDRS=()
   for node in "${SERVE_NODES[@]}"; do
     addr=$(node_addr "$node") || exit 2
     SERVE_ADDRS+=("$addr")
     urls+=("'http://$addr:$port'")
   done
-  leader=$(node_addr "${TRAINER_NODES[0]}") || exit 2
+  for node in "${TRAINER_NODES[@]}"; do  # each trainer process serves its own shards on its node's address
+    addr=$(node_addr "$node") || exit 2
+    trainers+=("$addr")
+  done
   ROLLOUT_ARGS=("--config.rollout.vllm.urls=($(IFS=,; echo "${urls[*]}"),)"
     "--config.rollout.vllm.token_file=$TOKEN_FILE" --config.rollout.vllm.allow_remote=true
-    --config.rollout.weight_sync.transport=tcp "--config.rollout.weight_sync.tcp_host=$leader")
+    --config.rollout.weight_sync.transport=tcp
+    "--config.rollout.weight_sync.tcp_host=$(IFS=,; echo "${trainers[*]}")")
 }
 
 start_rollout_servers() {  # one `rljax.rollout.serve` step per rollout node, then wait for /health

@@ -96,6 +96,10 @@ ARG_CASES = {  # name -> (overrides, with {tmp} and {file} filled in, fragments 
         ["--config.trainer.logprob_impl=triton"],
         ["trainer.logprob_impl", "does not run on cpu", "valid there: auto", "xla"],
     ),
+    "tcp_host_empty_entry": (
+        ["--config.rollout.weight_sync.tcp_host=10.0.0.1,,10.0.0.2"],
+        ["rollout.weight_sync.tcp_host", "one address per trainer host"],
+    ),
     "unknown_flag": (["--nosuch_flag=1"], ["flags:", "nosuch_flag"]),
     "config_file_syntax_error": (
         [],

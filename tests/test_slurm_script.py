@@ -87,7 +87,7 @@ def test_rollout_nodes_split_urls_and_server_command(tmp_path):
         f"--config.rollout.vllm.token_file={token_file}",
         "--config.rollout.vllm.allow_remote=true",
         "--config.rollout.weight_sync.transport=tcp",
-        "--config.rollout.weight_sync.tcp_host=10.1.0.1",  # the trainer's leader, gpu01
+        "--config.rollout.weight_sync.tcp_host=10.1.0.1,10.1.0.2,10.1.0.3",  # every trainer node serves
     ]
     assert serve[:5] == ["srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=gpu04"]
     i = serve.index("rljax.rollout.serve")

@@ -110,7 +110,9 @@ TRANSPORTS = ("shm", "tcp", "zmq")  # weight-sync transports (equal to rljax.wei
 @dataclass(frozen=True)
 class WeightSyncConfig:
     transport: str = _choice("shm", *TRANSPORTS)  # shm: this host; tcp/zmq: streamed (weight_sync.transports)
-    tcp_host: str = "127.0.0.1"  # tcp/zmq: this trainer's address as the servers reach it (bound to sync)
+    # tcp/zmq: the trainer's address as the servers reach it; one per trainer host, comma-separated (each
+    # process serves its own shards on the address that is its host's)
+    tcp_host: str = "127.0.0.1"
     tcp_timeout_s: float = 30.0  # tcp/zmq: connect and per-receive timeout (a dead peer fails within it)
     bucket_mb: int = 64
     # The dtype vLLM serves in and the weights are cast to (on device) before staging: "" or "auto" = the

@@ -277,6 +277,12 @@ def _validate_servers(ro: RolloutConfig) -> None:
         raise ConfigError(
             "rollout.vllm.token_file", f"{vc.token_file!r} must be an existing file with mode 0600"
         )
+    hosts = ro.weight_sync.tcp_host.split(",")
+    if not all(h.strip() and not any(c.isspace() for c in h.strip()) for h in hosts):
+        raise ConfigError(
+            "rollout.weight_sync.tcp_host",
+            f"must be one address per trainer host, comma-separated, got {ro.weight_sync.tcp_host!r}",
+        )
     if vc.block_size < 0 or vc.block_size % 32:
         raise ConfigError(
             "rollout.vllm.block_size",

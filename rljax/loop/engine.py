@@ -7,16 +7,19 @@ and serving dtype (`rljax.models.iter_hf_tensors`) and answers the canary with l
 `token_logprobs` path the update uses, on the same params.
 
 Multi-process runs: only the leader holds the engine; every other process holds a `Follower`, whose
-`push_weights` takes part in the push's collectives and pushes nothing. On one host the weights are a
-`ShardedJaxWeights`: every process stages only the shards it owns (`distributed.push_sharded`: nothing is
-gathered) and the canary's trainer side is the sharded log-prob function, a collective the leader drives;
-a recovery re-pushes the last push's files, kept by each process. Trainer processes on several hosts
-still gather the params to the leader (`host_params`).
+`push_weights` takes part in the push's collectives and pushes nothing. The weights are a
+`ShardedJaxWeights`: every process stages only the shards it owns (`sharded_sync.push_sharded`: nothing
+is gathered); with tcp/zmq each process also serves them from its own host (`weight_sync.served`), so
+trainers on several hosts send their own shares straight to the rollout nodes; with shm the servers map
+every process's files, which needs all trainer processes on the servers' host. The canary's trainer side
+is the sharded log-prob function, a collective the leader drives; a recovery re-pushes the last push's
+buckets, kept (and served) by each process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -26,19 +29,13 @@ import numpy as np
 
 from rljax import models, trainer
 from rljax.config import Config, canary_tolerance, serving_dtype
-from rljax.loop.distributed import (
-    canary_collective,
-    host_params,
-    is_leader,
-    push_sharded,
-    single_host,
-    to_host,
-)
+from rljax.loop.distributed import cast_params, is_leader, to_host
+from rljax.loop.sharded_sync import push_sharded, release_kept, single_host
 from rljax.rollout import ClientOptions, RolloutEngine, placement
 from rljax.rollout.auth import read_token_file
 from rljax.rollout.server import options_from_config
 from rljax.trajectory import Trajectory, build_loss_inputs
-from rljax.weight_sync import SyncOptions, WeightSyncError
+from rljax.weight_sync import SyncOptions, WeightSyncError, served, transports
 from rljax.weight_sync.canary import CanarySpec
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, ShardStager
 
@@ -119,18 +116,12 @@ class JaxWeights:
     greedy: list = dataclasses.field(default_factory=list, compare=False)
 
     def push(self, params, canary: CanarySpec | None, push: Callable | None) -> dict:
-        """`push(snapshot)` on the leader; on other processes (`push` None) the gather's and the canary's
-        collectives (multi-host: the canary's scorer is the sharded training path, driven by the leader)."""
-        host = host_params(params, self.dtype)  # multi-process: a collective
-        scorer = self.canary_logprobs(params)
-        if jax.process_count() == 1:
-            early = SpeculativeCanary(scorer, canary, self.greedy)
-            return push(JaxSnapshot(self.model_config, host, self.dtype, _Memo(early), early=early))
-
-        def lead(logprobs) -> dict:
-            return push(JaxSnapshot(self.model_config, host, self.dtype, _Memo(logprobs)))
-
-        return canary_collective(scorer, lead if push is not None else None)
+        """`push(snapshot)` of a single-process run (multi-process runs push through `ShardedJaxWeights`)."""
+        if jax.process_count() > 1:
+            raise RuntimeError("JaxWeights pushes a single-process run's params; use ShardedJaxWeights")
+        early = SpeculativeCanary(self.canary_logprobs(params), canary, self.greedy)
+        host = cast_params(params, self.dtype)  # on device; converted one tensor at a time by the sync
+        return push(JaxSnapshot(self.model_config, host, self.dtype, _Memo(early), early=early))
 
     def close(self) -> None:
         pass
@@ -139,7 +130,7 @@ class JaxWeights:
 @dataclasses.dataclass(frozen=True)
 class JaxSnapshot:
     model_config: Any
-    host: Any  # fully addressable params in the serving dtype (`host_params`)
+    host: Any  # the params in the serving dtype (`cast_params`), on device until `keep`
     dtype: str | None
     logprobs: _Memo  # the training path's canary answers of this push
     early: SpeculativeCanary | None = None  # the canary's trainer side started before the push
@@ -162,15 +153,18 @@ class JaxSnapshot:
 
 @dataclasses.dataclass(frozen=True)
 class ShardedJaxWeights:
-    """Multi-process on one host: every process (leader and followers alike) calls `push`, which stages its
-    own shards and wraps the leader's `push(snapshot)` in the collectives of `distributed.push_sharded`.
-    With `max_restarts > 0` the processes keep the last push's bucket files and the leader keeps the
-    canary's trainer-side answers of that push, so a recovery re-pushes them with no collective and
+    """Multi-process: every process (leader and followers alike) calls `push`, which stages its own shards
+    and wraps the leader's `push(snapshot)` in the collectives of `sharded_sync.push_sharded`. `serve`
+    (tcp/zmq: `buckets -> weight_sync.served.ServedBuckets`, see `make_sharded_weights`): each process
+    serves its own buckets; None (shm): the servers map every process's files on this host.
+    With `max_restarts > 0` the processes keep the last push's buckets (and servers) and the leader keeps
+    the canary's trainer-side answers of that push, so a recovery re-pushes them with no collective and
     nothing gathered."""
 
     weights: JaxWeights
     stager: ShardStager
     max_restarts: int = 0
+    serve: Callable | None = None
 
     def push(self, params, canary: CanarySpec | None, push: Callable | None) -> dict:
         w = self.weights
@@ -186,10 +180,35 @@ class ShardedJaxWeights:
             canary=w.canary_logprobs,
             push=leader_push if push is not None else None,
             keep=self.max_restarts > 0,
+            serve=self.serve,
         )
 
     def close(self) -> None:
+        release_kept()
         self.stager.close()
+
+
+def make_sharded_weights(cfg: Config, weights: JaxWeights) -> ShardedJaxWeights:
+    """The multi-process `ShardedJaxWeights` of `cfg`: each process serves its own buckets with a streaming
+    `rollout.weight_sync.transport`; with `shm` every trainer process must share the servers' host."""
+    ws = cfg.rollout.weight_sync
+    serve = None
+    if transports.streams(ws.transport):
+        serve = functools.partial(
+            served.serve_buckets, transport=ws.transport, hosts=ws.tcp_host, timeout_s=ws.tcp_timeout_s
+        )
+    elif not single_host():
+        raise WeightSyncError(
+            "rollout.weight_sync.transport=shm maps bucket files on one host, but the trainer processes "
+            "run on several: use tcp or zmq (with tcp_host listing every trainer host's address)"
+        )
+    stager = ShardStager(
+        DEFAULT_STAGING_DIR,
+        bucket_bytes=ws.bucket_mb * 2**20,
+        checksums=ws.checksums,
+        spec=models.hf_tensor_specs(weights.model_config, serving_dtype(cfg)),
+    )
+    return ShardedJaxWeights(weights, stager, max_restarts=cfg.rollout.vllm.max_restarts, serve=serve)
 
 
 class _Memo:
@@ -225,7 +244,8 @@ class _StagedSnapshot:
         return self.staged  # already staged: the syncer passes them through
 
     def keep(self) -> Callable[[], _StagedSnapshot]:
-        kept = _StagedSnapshot(self.staged, self.logprobs.frozen())  # the files stay until the next push
+        # the files (and their servers) stay until the next push; a re-push does not wait on the others
+        kept = _StagedSnapshot(dataclasses.replace(self.staged, wait_sent=None), self.logprobs.frozen())
         return lambda: kept
 
     def metrics(self) -> dict[str, float]:
@@ -257,14 +277,8 @@ def make_engine(
     canary = make_canary_logprobs(cfg, model_config, mesh, data_parallel)
     vc, ws = cfg.rollout.vllm, cfg.rollout.weight_sync
     weights = JaxWeights(model_config, canary, serving_dtype(cfg))
-    if jax.process_count() > 1 and single_host():  # sharded staging: each process writes its own shards
-        stager = ShardStager(
-            DEFAULT_STAGING_DIR,
-            bucket_bytes=ws.bucket_mb * 2**20,
-            checksums=ws.checksums,
-            spec=models.hf_tensor_specs(model_config, serving_dtype(cfg)),
-        )
-        weights = ShardedJaxWeights(weights, stager, max_restarts=vc.max_restarts)
+    if jax.process_count() > 1:  # sharded staging: each process writes (and serves) its own shards
+        weights = make_sharded_weights(cfg, weights)
     if not is_leader():
         return Follower(weights)
     place = placement.plan_placement(

@@ -121,7 +121,8 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
      f"Largest staleness (policy version at update minus generating version) over {_S}."),
     ("staleness/mean", "versions", "mean", f"Mean staleness over {_S}."),
     ("staleness/hist", "count", "hist", f"counts[k] = number of {_S} with staleness k (k = 0, 1, ...)."),
-    ("weight_sync/seconds", "s", "sum", "Wall time of the weight sync, trainer gather to engine ready."),
+    ("weight_sync/seconds", "s", "sum",
+     "Wall time of the weight sync, from staging to the engine verified and serving."),
     ("weight_sync/bytes", "bytes", "sum", "Bytes of weights transferred to the rollout engine."),
     ("weight_sync/gb_per_s", "GB/s", "ratio", "weight_sync/bytes / weight_sync/seconds / 1e9."),
     ("weight_sync/pause_seconds", "s", "sum", "Time rollout generation was paused for the weight update."),
@@ -176,6 +177,9 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("weight_sync/canary_early_forward", "fraction", "mean",
      "1 when the canary's trainer log-probs came from the forward started before the push (the server's "
      "greedy token was the trainer's), 0 when they were computed after the server answered."),
+    ("weight_sync/sent_before_pause", "fraction", "mean",
+     "tcp/zmq: 1 when every bucket had reached every rollout node before the servers paused (each trainer "
+     "process serving its own), 0 when the pause had to wait on the transfer."),
     ("weight_sync/engine_seconds", "s", "sum",
      "Part of the pause spent in the engine's own post-processing (e.g. CPU weight repacking)."),
     ("weight_sync/shard_stage_seconds", "s", "sum",

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import uuid
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +126,7 @@ class Bucket:
     entries: list[wire.TensorEntry]
     nbytes: int
     owned: bool = True  # False: another process staged it (sharded staging) and removes it itself
+    source: dict | None = None  # the bucket server of the process that staged it (tcp/zmq), if it serves it
 
     def update_info(self, *, copy: bool) -> dict:
         return wire.update_info(self.path, self.index, self.entries, copy=copy)
@@ -146,12 +147,15 @@ class Bucket:
             "index": self.index,
             "nbytes": self.nbytes,
             "tensors": [e.to_wire() for e in self.entries],
+            "source": self.source,
         }
 
     @staticmethod
     def from_descriptor(d: dict) -> Bucket:
         entries = [wire.TensorEntry.from_wire(t) for t in d["tensors"]]
-        return Bucket(str(d["path"]), int(d["index"]), entries, int(d["nbytes"]), owned=False)
+        return Bucket(
+            str(d["path"]), int(d["index"]), entries, int(d["nbytes"]), owned=False, source=d.get("source")
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +166,9 @@ class StagedBuckets:
 
     buckets: list[Bucket]
     per_process: tuple[int, ...] = ()
+    # Buckets with a `source` are served by the processes that staged them: `wait_sent(copies, timeout_s)`
+    # blocks until each was sent `copies` times (once per rollout host), True when all were.
+    wait_sent: Callable[[int, float], bool] | None = None
 
 
 class ShardStager:

@@ -194,12 +194,13 @@ class WeightSyncer:
         """Pushes `tensors` to every server as policy `version`, verifies, resumes; returns metrics."""
         t0 = time.perf_counter()
         staged: list[Bucket] = []
+        remote_sent = getattr(tensors, "wait_sent", None)  # `StagedBuckets` served by their processes
         try:
             staged = self._checked(lambda: list(self._stage(tensors)))
             self._check_complete(staged)
             t_staged = time.perf_counter()
             with self.gate.exclusive(self.options.update_timeout_s):
-                pause_s, engine_s, nbytes = self._push(staged, version)
+                pause_s, engine_s, nbytes, sent = self._push(staged, version, remote_sent)
                 diffs = [
                     self._checked(
                         lambda u=u: canary_lib.check_canary(
@@ -228,7 +229,7 @@ class WeightSyncer:
             "weight_sync/engine_seconds": engine_s,
             "weight_sync/canary_logprob_max_abs_diff": max(d[0] for d in diffs),
             "weight_sync/canary_logprob_mean_abs_diff": float(np.mean([d[1] for d in diffs])),
-        }
+        } | ({} if sent is None else {"weight_sync/sent_before_pause": float(sent)})
 
     def _check_complete(self, staged: list[Bucket]) -> None:
         """Raises naming the first checkpoint tensor that was not staged."""
@@ -247,35 +248,53 @@ class WeightSyncer:
         except (ValueError, OSError, canary_lib.CanaryError) as e:
             raise WeightSyncError(str(e)) from e
 
-    def _push(self, buckets: list[Bucket], version: int) -> tuple[float, float, int]:
-        """Pause, load every bucket into every server, finish, resume. Returns (pause s, engine s, bytes)."""
+    def _push(
+        self, buckets: list[Bucket], version: int, remote_sent=None
+    ) -> tuple[float, float, int, bool | None]:
+        """Pause, load every bucket into every server, finish, resume. Returns (pause s, engine s, bytes,
+        whether every streamed bucket was out before the pause: None when none was streamed).
+        Buckets with a `source` are served by the trainer process that staged them (`remote_sent`: its
+        `StagedBuckets.wait_sent`); this process serves the others itself (tcp/zmq) or the workers map
+        their files (shm)."""
         for url in self.urls:
             self._init(url)
-        server = transports.serve(self.options.transport, self.options.tcp_host, self.options.tcp_timeout_s)
-        if server is None:  # shm: the workers map the files
-            return self._push_via(buckets, version, None)
+        own = any(b.source is None for b in buckets) and transports.streams(self.options.transport)
+        server = None
+        if own:
+            server = transports.serve(
+                self.options.transport, self.options.tcp_host, self.options.tcp_timeout_s
+            )
         try:
-            return self._push_via(buckets, version, server)
+            return self._push_via(buckets, version, server, remote_sent)
         finally:
-            server.close()
+            if server is not None:
+                server.close()
 
-    def _push_via(self, buckets: list[Bucket], version: int, server) -> tuple[float, float, int]:
+    def _push_via(
+        self, buckets: list[Bucket], version: int, server, remote_sent=None
+    ) -> tuple[float, float, int, bool | None]:
         o = self.options
+        mine = [b for b in buckets if b.source is None] if server is not None else []
 
         def info(bucket: Bucket) -> dict:  # the staged files live until the sync ends: the worker maps them
             d = bucket.update_info(copy=False)
-            if server is not None:
+            if bucket.source is not None:
+                d["source"] = bucket.source
+            elif server is not None:
                 server.add(bucket.index, bucket.path)
                 d["source"] = server.address(o.tcp_timeout_s)
             return d
 
         # tcp/zmq: the workers receive every bucket in the background before the pause.
-        prefetch = server is not None and bool(buckets)
+        prefetch = bool(buckets) and (server is not None or any(b.source is not None for b in buckets))
         if prefetch:
             self._prefetch([info(b) for b in buckets])
             # pause once the bytes are out (or a stream failed: the load call reports it)
             # (one receiver per node: each bucket goes once to each host among the servers' urls)
-            server.wait_sent(len(buckets) * _hosts(self.urls), o.tcp_timeout_s * len(buckets))
+            copies, timeout_s = _hosts(self.urls), o.tcp_timeout_s * len(buckets)
+            sent = not mine or server.wait_sent(len(mine) * copies, timeout_s)
+            if len(mine) < len(buckets):  # served by the processes that staged them
+                sent = (remote_sent is not None and remote_sent(copies, timeout_s)) and sent
         t_pause = time.perf_counter()
         for url in self.urls:
             self._post(
@@ -312,7 +331,7 @@ class WeightSyncer:
             raise
         for url in self.urls:
             self._post(url, "/resume")
-        return time.perf_counter() - t_pause, engine_s, nbytes
+        return time.perf_counter() - t_pause, engine_s, nbytes, sent if prefetch else None
 
     def _prefetch(self, infos: list[dict]) -> None:
         """`/start_weight_update` and a background receive of `infos` on every server (not paused)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import socket
 from collections.abc import Callable
 
 
@@ -67,10 +68,33 @@ def get(name: str) -> Transport:
         raise ValueError(f"weight sync: transport must be one of {', '.join(NAMES)}, got {name!r}") from None
 
 
+def streams(name: str) -> bool:
+    """True when transport `name` streams buckets from a bucket server (False: mapped files)."""
+    return get(name).serve is not None
+
+
 def serve(name: str, host: str, timeout_s: float):
-    """The trainer's bucket server for transport `name` (None for `shm`)."""
+    """The trainer's bucket server for transport `name` (None for `shm`), bound to this host's address
+    among `host` (`local_address`)."""
     transport = get(name)
-    return None if transport.serve is None else transport.serve(host, timeout_s)
+    return None if transport.serve is None else transport.serve(local_address(host), timeout_s)
+
+
+def local_address(hosts: str) -> str:
+    """The first of the comma-separated `hosts` that this host can bind: `rollout.weight_sync.tcp_host`
+    lists one address per trainer host (e.g. every trainer node's private address), and each trainer
+    process serves its own buckets on its own. ValueError naming them when none is local."""
+    names = [h.strip() for h in hosts.split(",") if h.strip()]
+    for name in names:
+        try:
+            with socket.create_server((name, 0)):
+                return name
+        except OSError:
+            continue
+    raise ValueError(
+        f"weight sync: no address in rollout.weight_sync.tcp_host={hosts!r} belongs to this host "
+        f"({socket.gethostname()}); list one address per trainer host"
+    )
 
 
 def connect(source: dict):

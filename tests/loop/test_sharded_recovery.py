@@ -4,9 +4,10 @@
 import numpy as np
 import pytest
 
-from rljax.loop import distributed
+from rljax.loop import sharded_sync
 from rljax.loop.engine import _Memo, _StagedSnapshot
 from rljax.weight_sync import WeightSyncError
+from rljax.weight_sync.staging import StagedBuckets
 
 
 class _Bucket:
@@ -27,21 +28,23 @@ def test_memo_scores_once_and_its_frozen_copy_answers_only_what_the_push_asked()
     memo = _Memo(scorer)
     assert memo([1, 2], [3])[0] == 6.0 and memo((1, 2), (3,))[0] == 6.0  # lists and tuples: one key
     assert calls == [([1, 2], [3])]
-    kept = _StagedSnapshot(staged=["bucket"], logprobs=memo).keep()()
-    assert kept.tensors() == ["bucket"] and kept.logprobs([1, 2], [3])[0] == 6.0
+    staged = StagedBuckets(["bucket"], (1,), wait_sent=lambda copies, timeout_s: True)
+    kept = _StagedSnapshot(staged=staged, logprobs=memo).keep()()
+    assert kept.tensors().buckets == ["bucket"] and kept.tensors().wait_sent is None
+    assert kept.logprobs([1, 2], [3])[0] == 6.0
     with pytest.raises(WeightSyncError, match="did not see"):
         kept.logprobs([1, 2], [4])  # a different greedy answer: the re-push cannot be verified
     assert len(calls) == 1  # the frozen copy never calls the (collective) scorer
 
 
 def test_retire_keeps_the_last_pushed_buckets_until_the_next_push_succeeds(monkeypatch):
-    monkeypatch.setattr(distributed, "_KEPT", [])
+    monkeypatch.setattr(sharded_sync, "_KEPT", [])
     first = [_Bucket("a"), _Bucket("b")]
-    distributed._retire(first, keep=True)
-    assert not any(b.unlinked for b in first) and distributed._KEPT == first
+    sharded_sync._retire(first, keep=True)
+    assert not any(b.unlinked for b in first) and sharded_sync._KEPT == first
     failed = [_Bucket("c")]
-    distributed._retire(failed, keep=False)  # a failed push: its files go, the kept ones stay
-    assert failed[0].unlinked and distributed._KEPT == first and not first[0].unlinked
+    sharded_sync._retire(failed, keep=False)  # a failed push: its files go, the kept ones stay
+    assert failed[0].unlinked and sharded_sync._KEPT == first and not first[0].unlinked
     second = [_Bucket("d")]
-    distributed._retire(second, keep=True)
-    assert all(b.unlinked for b in first) and distributed._KEPT == second and not second[0].unlinked
+    sharded_sync._retire(second, keep=True)
+    assert all(b.unlinked for b in first) and sharded_sync._KEPT == second and not second[0].unlinked

@@ -3,11 +3,12 @@ test_canary_single_path.py).
 
 Usage: python mp_canary_worker.py PROCESS_ID PORT CKPT OUT_DIR
 Counts every call into the training path's log-prob function (`rljax.trainer.make_logprob_fn`'s
-result) and pushes through both multi-process layouts of `rljax.loop.engine`: `JaxWeights` (trainers on
-several hosts) and `ShardedJaxWeights` (one host), with a leader-side push that asks the canary's
-trainer side what `weight_sync.canary.check_canary` asks (the server's greedy token differs from the
-canary's fixed first token), then the kept snapshot's answers (a recovery's re-push). Each process
-writes its counts and the leader's answers to OUT_DIR/canary<i>.pkl.
+result) and pushes through both multi-process layouts of `rljax.loop.engine`'s `ShardedJaxWeights`:
+each process serving its own buckets over tcp (trainers on several hosts) and mapped files (one host),
+with a leader-side push that asks the canary's trainer side what `weight_sync.canary.check_canary`
+asks (the server's greedy token differs from the canary's fixed first token), then the kept
+snapshot's answers (a recovery's re-push). Each process writes its counts and the leader's answers
+to OUT_DIR/canary<i>.pkl.
 """
 
 import os
@@ -24,11 +25,15 @@ def main(process_id: int, port: int, ckpt: str, out_dir: str) -> None:
         coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
     )
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import dataclasses
+    import functools
+
     import mp_trainer_common as C
     import numpy as np
 
     from rljax import models, trainer
     from rljax.loop import engine
+    from rljax.weight_sync import served
     from rljax.weight_sync.canary import make_canary
     from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, ShardStager
 
@@ -41,9 +46,11 @@ def main(process_id: int, port: int, ckpt: str, out_dir: str) -> None:
     server_tokens = [(spec.completion_ids[0] + 1) % model_config.vocab_size, *spec.completion_ids[1:]]
     spec_hf = models.hf_tensor_specs(model_config)
     stager = ShardStager(DEFAULT_STAGING_DIR, bucket_bytes=64 * 1024, checksums=True, spec=spec_hf)
-    layouts = {
-        "multi_host": engine.JaxWeights(model_config, canary),
-        "one_host": engine.ShardedJaxWeights(engine.JaxWeights(model_config, canary), stager, max_restarts=1),
+    serve = functools.partial(served.serve_buckets, transport="tcp", hosts="127.0.0.1", timeout_s=30)
+    sharded = engine.ShardedJaxWeights(engine.JaxWeights(model_config, canary), stager, max_restarts=1)
+    layouts = {  # trainers on several hosts serve their own buckets (tcp); on one host the servers map them
+        "multi_host": dataclasses.replace(sharded, serve=serve),
+        "one_host": sharded,
     }
     out = {"calls": {}, "answers": {}, "kept": {}}
     for name, weights in layouts.items():

@@ -5,10 +5,10 @@ Usage: python mp_sync_worker.py PROCESS_ID PORT CKPT URL TOKEN_FILE OUT_DIR
 Joins a jax.distributed job on 127.0.0.1:PORT, loads the tiny checkpoint into a fsdp=4 x tensor=2 mesh
 over all 8 devices, perturbs it on device, and pushes it into the vLLM server at URL through the run's
 own engine path, `RolloutEngine.push_weights` over `ShardedJaxWeights` (every process stages its own
-shards; process 0 pushes), twice: shm, then tcp
-(process 0 streams every process's files). Process 0 writes the metrics, the HLO facts of the sync
-path's jitted code and the full weights it pushed (gathered after the syncs, for the reference only)
-to OUT_DIR/result.pkl.
+shards; process 0 pushes), twice: shm, then tcp, where every process serves its own buckets from
+its own bucket server (as trainers on several hosts do). Process 0 writes the metrics, the HLO facts
+of the sync path's jitted code and the full weights it pushed (gathered after the syncs, for the
+reference only) to OUT_DIR/result.pkl; each process writes the bytes its server sent.
 """
 
 import os
@@ -60,15 +60,17 @@ def main(process_id: int, port: int, ckpt: str, url: str, token_file: str, out_d
     assert jax.process_count() == 2 and jax.device_count() == 8
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import dataclasses
+    import functools
 
     import mp_trainer_common as C
     from jax.experimental import multihost_utils
 
     from rljax import models
+    from rljax.loop import sharded_sync
     from rljax.loop.engine import Follower, JaxWeights, ShardedJaxWeights, make_canary_logprobs
     from rljax.rollout import RolloutEngine
     from rljax.rollout.auth import read_token_file
-    from rljax.weight_sync import SyncOptions
+    from rljax.weight_sync import SyncOptions, served
     from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, ShardStager
 
     cfg, mesh = C.base_config(), C.mesh_of(jax.devices(), 1, 4, 2)
@@ -87,29 +89,42 @@ def main(process_id: int, port: int, ckpt: str, url: str, token_file: str, out_d
         )
     loop = engine if engine is not None else Follower(weights)
     results = [loop.push_weights(params, 1)]
-    if engine is not None:
+    serve = functools.partial(
+        served.serve_buckets, transport="tcp", hosts="10.255.255.1,127.0.0.1", timeout_s=30
+    )
+    weights = dataclasses.replace(weights, serve=serve)  # each process serves its own (the first host is not
+    if engine is not None:  # this machine's: every process binds the address of its own host, 127.0.0.1)
         engine.syncer.options = dataclasses.replace(engine.syncer.options, transport="tcp")
+        engine.weights = weights
+    loop = engine if engine is not None else Follower(weights)
     params2 = perturbed(params, seed=8)
     results.append(loop.push_weights(params2, 2))
+    sent = sum(u.bytes_sent() for u in sharded_sync._KEPT)  # this process's server, the tcp push
     if engine is not None:  # a recovery's re-push: the leader alone, the kept files and canary answers
         kept, version = engine._current
         results.append(engine._push_attempt(kept(), version))
     hlo = cast_hlo_facts(params2)
-    from rljax.loop import distributed
-
     run_dir = stager._run_dir.path
     leftover = sorted(f for f in os.listdir(run_dir) if not f.startswith("."))
-    kept_names = sorted(os.path.basename(b.path) for b in distributed._KEPT)
+    kept_names = sorted(os.path.basename(b.path) for u in sharded_sync._KEPT for b in u.buckets)
     full = multihost_utils.process_allgather(params2, tiled=True)  # the reference only, after the syncs
     if process_id == 0:
         state = dict(models.iter_hf_tensors(model_config, full))
         C.save_pickle(
-            {"metrics": results, "hlo": hlo, "state": state, "leftover": leftover, "kept": kept_names},
+            {
+                "metrics": results,
+                "hlo": hlo,
+                "state": state,
+                "leftover": leftover,
+                "kept": kept_names,
+                "sent": sent,
+            },
             os.path.join(out_dir, "result.pkl"),
         )
     else:
         C.save_pickle(
-            {"leftover": leftover, "hlo": hlo, "kept": kept_names}, os.path.join(out_dir, "result1.pkl")
+            {"leftover": leftover, "hlo": hlo, "kept": kept_names, "sent": sent},
+            os.path.join(out_dir, "result1.pkl"),
         )
     loop.close()
     assert not os.path.exists(run_dir), run_dir  # closing removes the staging directory

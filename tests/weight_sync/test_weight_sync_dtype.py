@@ -8,7 +8,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rljax import config as C
 from rljax.loop import distributed
-from rljax.loop.distributed import cast_params, host_params
+from rljax.loop.distributed import cast_params
 
 
 def test_serving_dtype_follows_master_unless_set():
@@ -46,10 +46,3 @@ def test_cast_keeps_shardings_and_gathers_nothing():
     text = distributed._cast.lower(params, jnp.dtype("bfloat16")).compile().as_text()
     assert "all-gather" not in text and "all-reduce" not in text and "collective-permute" not in text
     assert cast_params(params, None) is params and cast_params(params, "float32") is params
-
-
-def test_host_params_single_process_is_the_cast_arrays():
-    params, _ = _sharded_params()
-    host = host_params(params, "bfloat16")
-    assert host["w"].dtype == jnp.bfloat16
-    assert host["w"].nbytes * 2 == params["w"].nbytes

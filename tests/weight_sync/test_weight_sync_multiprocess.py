@@ -1,7 +1,8 @@
 """Sharded weight sync in a real multi-process job: 2 JAX processes x 4 CPU devices (jax.distributed on
 localhost, fsdp=4 x tensor=2), a real vLLM server. Each process stages only the shards it owns (about
 half the model, together exactly all of it), process 0 pushes every process's buckets in one update
-(shm, then tcp), the worker assembles the slices, the canary (the sharded log-prob function on the
+(shm, then tcp, where each process serves its own buckets from its own bucket server and sends about
+half the bytes), the worker assembles the slices, the canary (the sharded log-prob function on the
 mesh) agrees to 1e-4 in float32, and the served log-probs match a transformers reference on the pushed
 weights. The sync path's jitted code (the on-device cast) has no collective in its compiled HLO."""
 
@@ -43,6 +44,11 @@ def test_two_processes_each_stage_their_own_shards_and_the_server_serves_them(tm
         for m in out["metrics"]:
             assert m["weight_sync/canary_logprob_max_abs_diff"] <= TOL
         assert out["metrics"][2]["weight_sync/bytes"] == out["metrics"][1]["weight_sync/bytes"]
+        # tcp: each process's own bucket server sent its own buckets, once (one rollout node), nothing else
+        pushed = out["metrics"][1]["weight_sync/bytes"]
+        assert out["sent"] + out1["sent"] == pushed and max(out["sent"], out1["sent"]) <= 0.55 * pushed
+        assert out["metrics"][1]["weight_sync/sent_before_pause"] == 1.0  # both processes reported it
+        assert "weight_sync/sent_before_pause" not in out["metrics"][0]  # shm: nothing streamed
         ref = TorchReference(ckpt)
         ref.load(out["state"])
         headers = bearer_headers(server.token)

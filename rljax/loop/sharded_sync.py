@@ -1,0 +1,282 @@
+"""The weight push of a multi-process job: every process stages (and with tcp/zmq serves) the shards it owns;
+the leader pushes them all in one update. Collectives: every process calls `push_sharded` at the same point.
+
+Nothing is gathered: each element of the model is staged once across the job, by the process that owns
+it, and its bytes go from that process's host to each rollout node once (`weight_sync.served`). The
+canary's trainer side is the sharded training path itself, a collective the leader drives
+(`canary_collective`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from rljax.loop.distributed import broadcast_tree, cast_params, is_leader
+
+BUCKETS_PER_PROCESS = 1 << 20  # process p numbers its buckets from p * this: one update lists them all
+_SHARE_TIMEOUT_MS = 600_000
+
+
+def push_sharded(
+    params,
+    *,
+    model_config,
+    dtype,
+    stager,
+    canary: Callable,
+    push: Callable | None,
+    keep: bool = False,
+    serve: Callable | None = None,
+) -> dict:
+    """One weight push of a multi-process job; every process calls it at the same point.
+
+    1. each process casts `params` to the serving `dtype` on device (`cast_params`: elementwise, no
+       collective) and stages only the shards it owns (`rljax.models.iter_owned_hf_slices`: replica 0
+       of every shard, mapped onto slices of the HF tensors) into its own bucket files (`stager`, a
+       `weight_sync.staging.ShardStager`): each element once across the job, nothing all-gathered;
+       with `serve` (tcp/zmq: `buckets -> weight_sync.served.ServedBuckets`) it also serves them from
+       its own bucket server, so every bucket carries the address it is pulled from;
+    2. the bucket descriptors (metadata only) reach the leader through the jax.distributed key-value
+       store; the leader calls `push(StagedBuckets, trainer_logprobs)` (one update listing every bucket;
+       the worker assembles the slices); before it pauses the servers it waits until every process has
+       sent its buckets (`StagedBuckets.wait_sent`, through the key-value store);
+    3. the canary's trainer side is `canary(params)`, the sharded log-prob function of the training path,
+       a collective: the leader broadcasts each pair of token lists it scores and the other processes
+       follow (`_follow_canary`) until the leader says the push is over (also on failure);
+    4. every process removes its own bucket files (and stops its server); with `keep` (a run that may
+       recover: the leader re-pushes the last version's buckets alone, no collective) a push's files
+       and server stay until the next push succeeds.
+    Returns the leader's metrics (plus `weight_sync/staged_bytes_{max,min}_process`: tensor bytes one
+    process staged), {} elsewhere.
+    """
+    from rljax import models
+
+    me = jax.process_index()
+    _SYNCS[0] += 1
+    key = f"rljax/ws/{_SYNCS[0]}"
+    mine, units, served, error, t0 = [], [], None, None, time.perf_counter()
+    try:
+        items = models.iter_owned_hf_slices(model_config, cast_params(params, dtype), dtype)
+        mine = units = stager.stage(items, first_index=me * BUCKETS_PER_PROCESS)
+        if serve is not None:
+            served = serve(mine)
+            mine, units = served.buckets, [served]
+            if not is_leader():
+                _report_sent(key, served)
+    except Exception as e:  # noqa: BLE001 - reported to the leader, raised below after the collectives
+        error = e
+    stage_s = time.perf_counter() - t0
+    fn = canary(params)
+    pushed, result = False, {}
+    try:
+        try:
+            shared = _share(key, [b.descriptor() for b in mine], error)
+        except Exception as e:  # noqa: BLE001 - the leader raises it inside the canary collective
+            shared = e
+
+        def lead(logprobs) -> dict:  # the leader's push; the others follow its canary requests
+            from rljax.weight_sync.staging import StagedBuckets
+
+            wait = _SentWait(key, served) if serve is not None else None
+            try:
+                if isinstance(shared, Exception):
+                    raise shared
+                buckets, per_process = shared
+                metrics = push(StagedBuckets(buckets, per_process, wait), logprobs) if push else {}
+            finally:
+                if wait is not None:
+                    wait.release()
+            return metrics | {
+                "weight_sync/staged_bytes_max_process": float(max(per_process)),
+                "weight_sync/staged_bytes_min_process": float(min(per_process)),
+                "weight_sync/shard_stage_seconds": stage_s,  # the leader's own cast + copy + write
+            }
+
+        result = canary_collective(fn, lead if is_leader() else None)
+        pushed = error is None
+    finally:
+        _retire(units, keep=keep and pushed)
+        if error is not None and not is_leader():
+            raise error
+    return result
+
+
+_KEPT: list = []  # this process's buckets (or served pushes) of the last push, kept for a recovery's re-push
+
+
+def _retire(mine: list, keep: bool) -> None:
+    """Unlinks this push's buckets, or (keep) the previous push's, keeping this one's."""
+    if keep:
+        gone, _KEPT[:] = list(_KEPT), list(mine)
+    else:
+        gone = list(mine)
+    for b in gone:
+        b.unlink()
+
+
+def release_kept() -> None:
+    """Removes the kept push's buckets (and stops their servers): the run is over."""
+    _retire([], keep=True)
+
+
+_SYNCS = [0]  # pushes so far (the same on every process): a fresh key-value prefix per push
+
+
+def _client():
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+def _report_sent(key: str, served) -> None:
+    """A follower's side of `_SentWait`: once the leader says how many copies each bucket goes out (one
+    per rollout host; 0: it does not wait), waits for this process's server to send them and reports
+    whether it did. A daemon thread: the process itself goes on into the push's collectives."""
+    me = jax.process_index()
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # the leader gone or not waiting: nobody reads the report
+            client = _client()
+            copies = int(client.blocking_key_value_get(f"{key}/copies", _SHARE_TIMEOUT_MS))
+            ok = copies == 0 or served.wait_sent(copies, _SHARE_TIMEOUT_MS / 1000)
+            client.key_value_set(f"{key}/sent/{me}", "1" if ok else "0")
+
+    threading.Thread(target=run, name="rljax-ws-sent", daemon=True).start()
+
+
+class _SentWait:
+    """The leader's `StagedBuckets.wait_sent(copies, timeout_s)`: publishes `copies`, waits for its own
+    server, then for every other process's report (`_report_sent`). `release()` (at the push's end)
+    tells the followers' threads to stop if the leader never waited (e.g. a failure before the load)."""
+
+    def __init__(self, key: str, served):
+        self._key, self._served, self._asked = key, served, False
+
+    def __call__(self, copies: int, timeout_s: float) -> bool:
+        client, self._asked = _client(), True
+        client.key_value_set(f"{self._key}/copies", str(int(copies)), allow_overwrite=True)
+        ok = self._served is None or self._served.wait_sent(copies, timeout_s)
+        for p in range(1, jax.process_count()):
+            try:
+                ok &= client.blocking_key_value_get(f"{self._key}/sent/{p}", int(timeout_s * 1000)) == "1"
+                client.key_value_delete(f"{self._key}/sent/{p}")
+            except Exception:  # noqa: BLE001 - not sent in time: the load call reports what failed
+                ok = False
+        return ok
+
+    def release(self) -> None:
+        client = _client()
+        if not self._asked:
+            with contextlib.suppress(Exception):
+                client.key_value_set(f"{self._key}/copies", "0", allow_overwrite=True)
+        with contextlib.suppress(Exception):  # the followers read it while the push ran
+            client.key_value_delete(f"{self._key.rsplit('/', 1)[0]}/{_SYNCS[0] - 1}/copies")
+
+
+def _share(key: str, descriptors: list[dict], error: BaseException | None):
+    """Leader: every process's buckets `(list[Bucket], bytes per process)`; raises if a process failed to
+    stage. Others: publish theirs (or their error) and return None."""
+    from rljax.weight_sync.staging import Bucket
+
+    client = _client()
+    value = json.dumps(
+        {"error": None if error is None else f"{type(error).__name__}: {error}", "buckets": descriptors}
+    )
+    if not is_leader():
+        client.key_value_set(f"{key}/{jax.process_index()}", value)
+        return None
+    per_process, buckets, errors = [], [], []
+    for p in range(jax.process_count()):
+        d = json.loads(value if p == 0 else client.blocking_key_value_get(f"{key}/{p}", _SHARE_TIMEOUT_MS))
+        if p:
+            client.key_value_delete(f"{key}/{p}")
+        if d["error"]:
+            errors.append(f"process {p}: {d['error']}")
+        buckets += [Bucket.from_descriptor(b) for b in d["buckets"]]
+        per_process.append(
+            sum(e.nbytes for b in buckets[len(buckets) - len(d["buckets"]) :] for e in b.entries)
+        )
+    if errors:
+        from rljax.weight_sync import WeightSyncError
+
+        raise WeightSyncError("weight sync: staging failed on " + "; ".join(errors))
+    return buckets, tuple(per_process)
+
+
+_CANARY_LIKE = {
+    "more": np.zeros(1, np.int32),
+    "prompt": np.zeros(1, np.int32),
+    "completion": np.zeros(1, np.int32),
+}
+
+
+def _broadcast_canary(tokens: tuple | None) -> dict:
+    """The leader's canary request (`(prompt_ids, completion_ids)`, or None: the push is over) on every
+    process (a collective)."""
+    tree = None
+    if is_leader():
+        prompt, completion = tokens if tokens is not None else ([0], [0])
+        tree = {
+            "more": np.asarray([tokens is not None], np.int32),
+            "prompt": np.asarray(prompt, np.int32),
+            "completion": np.asarray(completion, np.int32),
+        }
+    return broadcast_tree(tree, _CANARY_LIKE)
+
+
+def canary_collective(fn: Callable, lead: Callable[[Callable], dict] | None) -> dict:
+    """The canary's trainer side as a collective: `fn(prompt_ids, completion_ids)` (the sharded training
+    path) needs every process. The leader returns `lead(logprobs)`, where each `logprobs` call is broadcast
+    first so the others join it (`_follow_canary`) until the leader says the push is over (also on
+    failure); the others (`lead` None) return {}."""
+    if jax.process_count() == 1:
+        return lead(fn) if lead is not None else {}
+    if lead is None:
+        _follow_canary(fn)
+        return {}
+    try:
+        return lead(_leading_canary(fn))
+    finally:
+        _broadcast_canary(None)
+
+
+def _leading_canary(fn: Callable) -> Callable:
+    def logprobs(prompt_ids, completion_ids):
+        _broadcast_canary((list(prompt_ids), list(completion_ids)))
+        return fn(prompt_ids, completion_ids)
+
+    return logprobs
+
+
+def _follow_canary(fn: Callable) -> None:
+    while True:
+        req = _broadcast_canary(None)
+        if not int(req["more"][0]):
+            return
+        fn(req["prompt"].tolist(), req["completion"].tolist())
+
+
+def single_host() -> bool:
+    """True when every process of the job runs on this host (hostnames compared through the
+    jax.distributed key-value store; every process calls it once, at start-up). With `shm` the servers
+    map each process's bucket files, which they can only on one host; across trainer hosts every
+    process serves its own buckets (tcp/zmq)."""
+    import socket
+
+    if jax.process_count() == 1:
+        return True
+    client = _client()
+    key = f"rljax/host/{jax.process_index()}"
+    client.key_value_set(key, json.dumps(socket.gethostname()), allow_overwrite=True)
+    names = {
+        client.blocking_key_value_get(f"rljax/host/{p}", _SHARE_TIMEOUT_MS)
+        for p in range(jax.process_count())
+    }
+    return len(names) == 1
