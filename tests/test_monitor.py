@@ -132,7 +132,12 @@ def test_live_view_with_prometheus_flag_and_ctrl_c(tmp_path):
     args = ["--interval", "0.2", "--stall-after", "60", "--prometheus-port", "0"]
     cmd = [sys.executable, "-u", "-m", "rljax.monitor", str(tmp_path), *args]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # SIGINT as a terminal delivers it (a suite started in the background with `&` ignores SIGINT, and
+    # the child would inherit that)
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=default_sigint
+    )
     try:
         banner = proc.stderr.readline()
         assert banner.startswith("Prometheus metrics at http://127.0.0.1:"), banner

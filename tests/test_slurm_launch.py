@@ -232,7 +232,8 @@ def metric_rows(workdir) -> list[dict]:
 def test_grpo_with_a_rollout_node_step_syncs_over_tcp(cluster, tiny_model, tmp_path):
     """The rollout-node branch for real: the server is its own Slurm step (`rljax.rollout.serve`, on the
     one node, so RLJAX_ROLLOUT_SHARE_NODES=1), bound to the node's Slurm NodeAddr (127.0.0.1 here), with the
-    job's token; the 2-process trainer connects by URL and pushes every version over tcp."""
+    job's token; the 2-process trainer connects by URL and pushes every version over tcp, each process
+    serving its own shards."""
     require_training_loop()
     workdir = tmp_path / "run"
     args = smoke_args(workdir, tiny_model, "--config.trainer.steps=2", "--config.checkpoint.every_steps=100")
@@ -259,3 +260,7 @@ def test_grpo_with_a_rollout_node_step_syncs_over_tcp(cluster, tiny_model, tmp_p
     for r in rows:  # every version pushed over tcp and verified by the canary against the trainer
         assert r["weight_sync/bytes"] > 0
         assert r["weight_sync/canary_logprob_max_abs_diff"] <= 1e-3  # rollout.weight_sync.canary_tolerance
+        # each trainer task served its own shards from its own bucket server, all out before the pause
+        assert r["weight_sync/sent_before_pause"] == 1.0
+        lo, hi = r["weight_sync/staged_bytes_min_process"], r["weight_sync/staged_bytes_max_process"]
+        assert lo > 0 and hi <= 0.55 * (lo + hi)
