@@ -33,7 +33,6 @@ EXTRAS = {
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.3",
-        "pytest-xdist>=3.6",  # `pytest -n 2` (tests/conftest.py groups tests that share a server)
         "chex>=0.1.89",
         "nbclient>=0.10",
         "nbformat>=5.10",

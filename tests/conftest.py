@@ -27,29 +27,9 @@ def _has_gpu() -> bool:
         return False
 
 
-# Parallel runs (`pytest -n 2`, pytest-xdist, `--dist loadgroup` from pyproject.toml): a session-wide
-# resource is started once per worker that uses it, so every test that uses one runs on the same worker
-# (its group below); the other tests stay with their file (module fixtures start once).
-_SHARED_GROUPS = (
-    ("slurm", ("slurm_cluster", "cluster")),
-    ("arith", ("arith_server",)),
-    ("spawned", ("served_qwen2", "served_llama", "_spawned_servers")),
-)
-
-
-def _xdist_group(item) -> str:
-    names = set(getattr(item, "fixturenames", ()))
-    for group, fixtures in _SHARED_GROUPS:
-        if names & set(fixtures):
-            return group
-    return item.nodeid.split("::", 1)[0]
-
-
 def pytest_collection_modifyitems(config, items):
     if any("gpu" in item.keywords for item in items) and not _has_gpu():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU (marker gpu)")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
