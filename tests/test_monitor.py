@@ -130,14 +130,15 @@ def test_prometheus_endpoint_over_real_http(tmp_path):
 def test_live_view_with_prometheus_flag_and_ctrl_c(tmp_path):
     _two_processes(tmp_path, stale_age_s=120.0)
     args = ["--interval", "0.2", "--stall-after", "60", "--prometheus-port", "0"]
-    cmd = [sys.executable, "-u", "-m", "rljax.monitor", str(tmp_path), *args]
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    # SIGINT as a terminal delivers it (a suite started in the background with `&` ignores SIGINT, and
-    # the child would inherit that)
-    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=default_sigint
+    # SIGINT's default disposition, as under a terminal: a suite started in the background with `&` ignores
+    # SIGINT and a child would inherit that; exec keeps the default this wrapper sets
+    default_sigint = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
     )
+    cmd = [sys.executable, "-c", default_sigint, "-u", "-m", "rljax.monitor", str(tmp_path), *args]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         banner = proc.stderr.readline()
         assert banner.startswith("Prometheus metrics at http://127.0.0.1:"), banner

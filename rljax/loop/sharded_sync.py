@@ -160,6 +160,8 @@ class _SentWait:
         self._key, self._served, self._asked = key, served, False
 
     def __call__(self, copies: int, timeout_s: float) -> bool:
+        if self._asked:  # the same push again (a recovery after a server restart): the others reported
+            return False  # already, so nobody would answer; the load call waits for the bytes instead
         client, self._asked = _client(), True
         client.key_value_set(f"{self._key}/copies", str(int(copies)), allow_overwrite=True)
         ok = self._served is None or self._served.wait_sent(copies, timeout_s)
@@ -176,8 +178,9 @@ class _SentWait:
         if not self._asked:
             with contextlib.suppress(Exception):
                 client.key_value_set(f"{self._key}/copies", "0", allow_overwrite=True)
-        with contextlib.suppress(Exception):  # the followers read it while the push ran
-            client.key_value_delete(f"{self._key.rsplit('/', 1)[0]}/{_SYNCS[0] - 1}/copies")
+        prefix, number = self._key.rsplit("/", 1)
+        with contextlib.suppress(Exception):  # the previous push's: its followers read it while it ran
+            client.key_value_delete(f"{prefix}/{int(number) - 1}/copies")
 
 
 def _share(key: str, descriptors: list[dict], error: BaseException | None):

@@ -48,3 +48,48 @@ def test_retire_keeps_the_last_pushed_buckets_until_the_next_push_succeeds(monke
     second = [_Bucket("d")]
     sharded_sync._retire(second, keep=True)
     assert all(b.unlinked for b in first) and sharded_sync._KEPT == second and not second[0].unlinked
+
+
+class _KeyValue:
+    """The key-value store calls `_SentWait` makes (a dict; a missing key times out)."""
+
+    def __init__(self):
+        self.d = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        assert allow_overwrite or key not in self.d
+        self.d[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        if key not in self.d:
+            raise TimeoutError(key)
+        return self.d[key]
+
+    def key_value_delete(self, key):
+        self.d.pop(key, None)
+
+
+class _Served:
+    def wait_sent(self, copies, timeout_s):
+        return True
+
+
+def test_the_leader_waits_for_every_process_once_per_push(monkeypatch):
+    kv = _KeyValue()
+    monkeypatch.setattr(sharded_sync, "_client", lambda: kv)
+    monkeypatch.setattr(sharded_sync.jax, "process_count", lambda: 3)
+    kv.d.update({"rljax/ws/5/sent/1": "1", "rljax/ws/5/sent/2": "1"})
+    wait = sharded_sync._SentWait("rljax/ws/5", _Served())
+    assert wait(2, 1.0) and kv.d["rljax/ws/5/copies"] == "2"  # two rollout hosts: two copies each
+    assert not any("/sent/" in k for k in kv.d)  # the reports were read
+    # a recovery re-pushes the same snapshot: nobody reports again, so it must not wait (30 s here)
+    assert wait(2, 30.0) is False
+    kv.d["rljax/ws/4/copies"] = "1"
+    wait.release()  # keeps this push's count, removes the previous push's
+    assert kv.d["rljax/ws/5/copies"] == "2" and "rljax/ws/4/copies" not in kv.d
+
+    kv.d.update({"rljax/ws/6/sent/1": "1", "rljax/ws/6/sent/2": "0"})  # process 2's transfer failed
+    assert sharded_sync._SentWait("rljax/ws/6", None)(1, 1.0) is False
+    unasked = sharded_sync._SentWait("rljax/ws/7", _Served())
+    unasked.release()  # the push failed before the load: the followers' threads are told to stop
+    assert kv.d["rljax/ws/7/copies"] == "0"
