@@ -13,7 +13,8 @@ Transport (`SyncOptions.transport`, resolved in `transports.TRANSPORTS`): "shm",
 bucket files (trainer and server on one host, `staging_dir` in /dev/shm); "tcp" or "zmq", the trainer
 serves the same files from a bucket server on `tcp_host` (an address of the trainer that the servers can
 reach) and one worker per node pulls each of them (`fanout`; servers on other hosts); `tcp_timeout_s`
-bounds connect and every receive on both ends.
+bounds connect and every receive on both ends. Buckets that arrive with a `source` (sharded staging: each
+trainer process serves its own, `weight_sync.served`) are pulled from it instead.
 3. the canary (`rljax.weight_sync.canary`) on every replica, then the gate's version becomes `version`.
 
 Any failure raises `WeightSyncError` (within the HTTP timeouts; a dead server fails at once). If the
