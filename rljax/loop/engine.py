@@ -193,9 +193,10 @@ def make_sharded_weights(cfg: Config, weights: JaxWeights) -> ShardedJaxWeights:
     `rollout.weight_sync.transport`; with `shm` every trainer process must share the servers' host."""
     ws = cfg.rollout.weight_sync
     serve = None
-    if transports.streams(ws.transport):
+    if transports.streams(ws.transport):  # this host's address, found once (a bad list fails at start-up)
+        host = transports.local_address(ws.tcp_host)
         serve = functools.partial(
-            served.serve_buckets, transport=ws.transport, hosts=ws.tcp_host, timeout_s=ws.tcp_timeout_s
+            served.serve_buckets, transport=ws.transport, hosts=host, timeout_s=ws.tcp_timeout_s
         )
     elif not single_host():
         raise WeightSyncError(

@@ -1,6 +1,6 @@
 """One trainer process's own bucket server (sharded staging over tcp/zmq): nothing reaches a leader's host.
 
-In a multi-process job every process stages only the shards it owns (`loop.distributed.push_sharded`).
+In a multi-process job every process stages only the shards it owns (`loop.sharded_sync.push_sharded`).
 With a streaming transport each process also serves those buckets itself: `serve_buckets` starts a
 fresh bucket server for the push (its own token and receive-directory id) on this host's address among
 `rollout.weight_sync.tcp_host` (`transports.local_address`), and stamps its `source` on each bucket, so
@@ -26,6 +26,7 @@ class ServedBuckets:
 
     buckets: list[Bucket]
     server: Any = None
+    sent: int = 0  # bytes its server sent, as of `unlink()`
 
     def wait_sent(self, copies: int, timeout_s: float) -> bool:
         """Blocks until each bucket was sent `copies` times (once per rollout host), a transfer failed, or
@@ -33,8 +34,6 @@ class ServedBuckets:
         if self.server is None:
             return True
         return self.server.wait_sent(len(self.buckets) * copies, timeout_s)
-
-    sent: int = 0  # bytes its server sent, as of `unlink()`
 
     def bytes_sent(self) -> int:
         """Payload bytes this process's server sent for the push (all rollout nodes together)."""
