@@ -206,7 +206,7 @@ def summarize(sync_rows, async_rows, gen_floor, bare, isolated) -> dict:
         out[k]["met"] = out[k]["ratio"] <= t
     parts = ("rollout", "batch", "update", "weight_sync")
     out["sync_loop_parts_s"] = {p: med(sync_rows, f"timing/{p}_s") for p in parts}
-    parts = ("stage_seconds", "pause_seconds", "engine_seconds", "canary_early_forward")
+    parts = ("stage_seconds", "pause_seconds", "engine_seconds")
     out["sync_loop_parts_s"] |= {k: med(sync_rows, f"weight_sync/{k}") for k in parts}
     keys = ("timing/step_s", "rollout/seconds", "timing/update_s", "weight_sync/seconds")
     keys += ("batch/rows", "batch/row_length", "bench/compile_s")

@@ -70,33 +70,23 @@ class CanaryScorer:
         return self.dispatch(prompt_ids, completion_ids)()
 
 
-class SpeculativeCanary:
+class EarlyCanary:
     """The canary's trainer side started before the server is asked: `self(prompt, completion) -> f32[C]`.
 
-    Dispatches (without waiting) the training-path forward (`scorer.dispatch`) of `spec.prompt_ids +
-    [guess] + spec.completion_ids[1:]`, where `guess` is the server's greedy token of the previous push
-    (the canary's first fixed token at the first), so it runs while the weights are staged and loaded.
-    When the server's greedy token equals the guess, the answer is that forward's log-probs
-    (`answered_early`); otherwise the same scorer scores the server's exact tokens. Either way the values
-    compared with the server's are the training path's log-probs of exactly the tokens the server scored.
-    `greedy` (a one-item list) is updated with the server's greedy token for the next push.
+    The canary's question is fixed (`spec.prompt_ids + spec.completion_ids`, `weight_sync.canary`), so
+    the training-path forward that answers it (`scorer.dispatch`) is dispatched when the push starts and
+    runs while the weights are staged and loaded; the check then finds it done. Any other tokens are
+    scored by the same scorer when asked.
     """
 
-    def __init__(self, scorer: CanaryScorer, spec: CanarySpec, greedy: list[int]):
-        self._scorer, self._greedy = scorer, greedy
-        if not greedy:
-            greedy.append(int(spec.completion_ids[0]))
-        self._prompt = [int(t) for t in spec.prompt_ids]
-        self._guess = [greedy[0], *(int(t) for t in spec.completion_ids[1:])]
-        self._early = scorer.dispatch(self._prompt, self._guess)
-        self.answered_early = False
+    def __init__(self, scorer: CanaryScorer, spec: CanarySpec):
+        self._scorer = scorer
+        self._question = ([int(t) for t in spec.prompt_ids], [int(t) for t in spec.completion_ids])
+        self._early = scorer.dispatch(*self._question)
 
     def __call__(self, prompt_ids, completion_ids) -> np.ndarray:
         prompt, completion = [int(t) for t in prompt_ids], [int(t) for t in completion_ids]
-        if prompt == self._prompt and completion:
-            self._greedy[0] = completion[0]
-        if prompt == self._prompt and completion == self._guess:
-            self.answered_early = True
+        if (prompt, completion) == self._question:
             return self._early()
         return self._scorer(prompt, completion)
 
@@ -106,22 +96,20 @@ class JaxWeights:
     """The engine's `WeightSource` for the trainer's params (a pytree of possibly sharded jax arrays).
 
     `canary_logprobs(params) -> CanaryScorer` (`make_canary_logprobs`); `dtype`: the serving dtype
-    (params are cast to it on device before staging; None: as they are). `greedy`: the server's last
-    greedy canary token (`SpeculativeCanary`).
+    (params are cast to it on device before staging; None: as they are).
     """
 
     model_config: Any
     canary_logprobs: Callable
     dtype: str | None = None
-    greedy: list = dataclasses.field(default_factory=list, compare=False)
 
     def push(self, params, canary: CanarySpec | None, push: Callable | None) -> dict:
         """`push(snapshot)` of a single-process run (multi-process runs push through `ShardedJaxWeights`)."""
         if jax.process_count() > 1:
             raise RuntimeError("JaxWeights pushes a single-process run's params; use ShardedJaxWeights")
-        early = SpeculativeCanary(self.canary_logprobs(params), canary, self.greedy)
+        early = EarlyCanary(self.canary_logprobs(params), canary)
         host = cast_params(params, self.dtype)  # on device; converted one tensor at a time by the sync
-        return push(JaxSnapshot(self.model_config, host, self.dtype, _Memo(early), early=early))
+        return push(JaxSnapshot(self.model_config, host, self.dtype, _Memo(early)))
 
     def close(self) -> None:
         pass
@@ -132,8 +120,7 @@ class JaxSnapshot:
     model_config: Any
     host: Any  # the params in the serving dtype (`cast_params`), on device until `keep`
     dtype: str | None
-    logprobs: _Memo  # the training path's canary answers of this push
-    early: SpeculativeCanary | None = None  # the canary's trainer side started before the push
+    logprobs: _Memo  # the training path's canary answers of this push (`EarlyCanary`)
 
     def tensors(self):
         return models.iter_hf_tensors(self.model_config, self.host, self.dtype)
@@ -144,11 +131,6 @@ class JaxSnapshot:
         host = jax.tree.map(lambda x: np.array(x) if isinstance(x, jax.Array) else x, self.host)
         kept = JaxSnapshot(self.model_config, host, self.dtype, self.logprobs.frozen())
         return lambda: kept
-
-    def metrics(self) -> dict[str, float]:
-        if self.early is None:
-            return {}
-        return {"weight_sync/canary_early_forward": float(self.early.answered_early)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +196,7 @@ def make_sharded_weights(cfg: Config, weights: JaxWeights) -> ShardedJaxWeights:
 
 class _Memo:
     """The canary's trainer side of one sharded push, remembered: a recovery's re-push asks the restarted
-    server the same greedy question and gets the answers the push computed (the sharded scorer is a
+    server the same question and gets the answers the push computed (the sharded scorer is a
     collective the other processes no longer join). A question not asked at push time fails the check."""
 
     def __init__(self, logprobs: Callable | None):
@@ -248,9 +230,6 @@ class _StagedSnapshot:
         # the files (and their servers) stay until the next push; a re-push does not wait on the others
         kept = _StagedSnapshot(dataclasses.replace(self.staged, wait_sent=None), self.logprobs.frozen())
         return lambda: kept
-
-    def metrics(self) -> dict[str, float]:
-        return {}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -174,9 +174,6 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("optim/steps", "count", "sum", "Optimizer updates run in the step (epochs x minibatches)."),
     ("optim/nonfinite", "count", "sum", "Updates in the step whose loss or gradient was not finite."),
     ("weight_sync/stage_seconds", "s", "sum", "Device-to-host staging into buckets (before the pause)."),
-    ("weight_sync/canary_early_forward", "fraction", "mean",
-     "1 when the canary's trainer log-probs came from the forward started before the push (the server's "
-     "greedy token was the trainer's), 0 when they were computed after the server answered."),
     ("weight_sync/sent_before_pause", "fraction", "mean",
      "tcp/zmq: 1 when every bucket had reached every rollout node before the servers paused (each trainer "
      "process serving its own), 0 when the pause had to wait on the transfer."),

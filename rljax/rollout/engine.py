@@ -71,9 +71,6 @@ class Snapshot(Protocol):
     def keep(self) -> Callable[[], Snapshot]:
         """A copy that outlives the trainer's arrays (the next update donates them), for a later re-push."""
 
-    def metrics(self) -> dict[str, float]:
-        """Metrics of the push that just used this snapshot (e.g. `weight_sync/canary_early_forward`)."""
-
 
 class WeightSource(Protocol):
     def push(self, params: Any, canary: CanarySpec, push: Callable[[Snapshot], dict]) -> dict:
@@ -112,9 +109,6 @@ class _Items:
     def keep(self) -> Callable[[], _Items]:
         kept = _Items(list(self.items), self.logprobs)  # host arrays the caller does not donate
         return lambda: kept
-
-    def metrics(self) -> dict[str, float]:
-        return {}
 
 
 def served_model_name(url: str, timeout_s: float = 10.0, headers: dict | None = None) -> str:
@@ -300,7 +294,7 @@ class RolloutEngine:
             metrics = self._with_recovery(op, recover, "weight sync")
             if self._max_restarts > 0:  # what a later recovery re-pushes
                 self._current = (snapshot.keep(), version)
-        return metrics | snapshot.metrics() | self._drain_stats()
+        return metrics | self._drain_stats()
 
     def _push_attempt(self, snapshot: Snapshot, version: int) -> dict[str, float]:
         """One push of `snapshot` (recovery repeats it), then every server must report `version`."""

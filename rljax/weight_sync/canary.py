@@ -1,20 +1,23 @@
 """The canary: after each sync, the server's log-probs of fixed tokens must match the trainer's.
 
-Two probes per server, compared with `trainer_logprobs(prompt_ids, completion_ids) -> f32[C]` (the
-trainer's log-probs of each completion token at temperature 1, no truncation):
+Two probes per server of the fixed tokens `prompt + completion` (`CanarySpec`), compared with
+`trainer_logprobs(prompt_ids, completion_ids) -> f32[C]` (the trainer's log-probs of each completion token
+at temperature 1, no truncation):
 
-1. greedy: one greedy token `g` after the prompt with `logprobs=0` (greedy requests report log_softmax of
-   the unscaled logits). This request reuses the prefix cache, whose blocks for this prompt were filled
-   by the previous canary under the previous weights: a cache not cleared by the sync shows here (the
-   first generated token attends over every cached block);
-2. prompt log-probs of `prompt + [g] + fixed[1:]` (`prompt_logprobs=0`, one forward over the whole
-   sequence, computed without the prefix cache): a fixed, non-trivial completion behind `g`.
+1. first token (prefix cache): one greedy token after the prompt, with the log-prob of `completion[0]`
+   there (`logprob_token_ids`; greedy requests report `log_softmax` of the unscaled logits, whatever
+   token is sampled). This request reuses the prefix cache, whose blocks for this prompt were filled by
+   the previous canary under the previous weights: a cache not cleared by the sync shows here (the
+   token attends over every cached block);
+2. prompt log-probs of `prompt + completion` (`prompt_logprobs=0`, one forward over the whole sequence,
+   computed without the prefix cache), sent after probe 1 so it cannot refill the cache probe 1 reads.
 
-The trainer scores `prompt + [g] + fixed[1:]` once, which covers both probes (its first value is `g`'s
-log-prob); that forward runs while the server answers probe 2. The prompt spans 2 full KV blocks of the
-servers' block size (read from their `/metrics`, `server_block_size`) so probe 1 really hits the cache;
-a short prompt keeps the trainer's forward cheap (vLLM's CPU default of 128 costs a 512-token bucket).
-Failure raises `CanaryError` with the max / mean absolute differences.
+The trainer scores `prompt + completion` once, which covers both probes (its first value is probe 1's).
+The question never depends on the server's answer, so the trainer's forward can start before the push
+(`rljax.loop.engine.EarlyCanary`). The prompt spans 2 full KV blocks of the servers' block size (read
+from their `/metrics`, `server_block_size`) so probe 1 really hits the cache; a short prompt keeps the
+trainer's forward cheap (vLLM's CPU default of 128 costs a 512-token bucket). Failure raises
+`CanaryError` with the max / mean absolute differences.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ class CanaryError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class CanarySpec:
-    """Fixed canary tokens: `prompt_ids i32[P]`, `completion_ids i32[C]` (its first token is replaced by
-    the server's greedy token at check time)."""
+    """Fixed canary tokens: `prompt_ids i32[P]`, `completion_ids i32[C]` (the servers are asked for its
+    first token after the prompt, then for the prompt log-probs of all of it)."""
 
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
@@ -48,7 +51,8 @@ DEFAULT_BLOCK_SIZE = 128  # vLLM's largest default KV block (its CPU build); use
 
 def canary_prompt_len(block_size: int) -> int:
     """Prompt tokens that fill 2 full KV blocks of `block_size` plus a partial one: vLLM caches only full
-    blocks and always recomputes the last prompt token, so the greedy probe then reuses 2 cached blocks."""
+    blocks and always recomputes the last prompt token, so the first-token probe then reuses 2 cached
+    blocks."""
     return 2 * block_size + 8
 
 
@@ -120,26 +124,31 @@ def server_prompt_logprobs(
     return np.asarray(out, np.float32)
 
 
-def server_greedy(
+def server_first_token(
     url: str,
     model: str,
     prompt_ids: list[int],
-    max_tokens: int,
+    token: int,
     timeout_s: float = 30.0,
     headers: dict | None = None,
-) -> tuple[list[int], np.ndarray]:
-    """Greedy continuation `(token_ids, logprobs f32[T])` of `prompt_ids` (EOS ignored)."""
+) -> np.ndarray:
+    """f32[1]: the server's log-prob of `token` as the first token after `prompt_ids` (one greedy step,
+    `logprob_token_ids=[token]`; whatever the server samples)."""
     body = {
         "model": model,
         "prompt": list(prompt_ids),
-        "max_tokens": max_tokens,
+        "max_tokens": 1,
         "temperature": 0.0,
-        "logprobs": 0,
-        "return_token_ids": True,
+        "logprobs": 1,
+        "logprob_token_ids": [int(token)],
+        "return_tokens_as_token_ids": True,
         "ignore_eos": True,
     }
-    choice = _post(url, body, timeout_s, headers)
-    return list(choice["token_ids"]), np.asarray(choice["logprobs"]["token_logprobs"], np.float32)
+    tops = _post(url, body, timeout_s, headers)["logprobs"]["top_logprobs"]
+    key = f"token_id:{int(token)}"
+    if len(tops) != 1 or not tops[0] or key not in tops[0]:
+        raise CanaryError(f"canary first-token probe on {url}: no log-prob for token {token} in {tops}")
+    return np.asarray([tops[0][key]], np.float32)
 
 
 def check_canary(
@@ -154,19 +163,16 @@ def check_canary(
 ) -> tuple[float, float]:
     """Runs both probes on one server (`headers`: its bearer token); returns (max, mean) abs diff or raises
     CanaryError."""
-    prompt = list(spec.prompt_ids)
-    greedy_ids, greedy_lp = server_greedy(url, model, prompt, 1, timeout_s, headers)
-    if len(greedy_ids) != 1 or greedy_lp.shape != (1,):
-        raise CanaryError(f"canary greedy probe on {url}: expected 1 token, got {greedy_ids}")
-    completion = greedy_ids + list(spec.completion_ids[1:])
+    prompt, completion = [int(t) for t in spec.prompt_ids], [int(t) for t in spec.completion_ids]
+    first_lp = server_first_token(url, model, prompt, completion[0], timeout_s, headers)
     with ThreadPoolExecutor(1, thread_name_prefix="rljax-canary") as pool:
         fixed = pool.submit(server_prompt_logprobs, url, model, prompt, completion, timeout_s, headers)
         trainer_lp = np.asarray(trainer_logprobs(prompt, completion), np.float32)
         fixed_lp = fixed.result()
-    server, trainer = [greedy_lp, fixed_lp], [trainer_lp[:1], trainer_lp]
+    server, trainer = [first_lp, fixed_lp], [trainer_lp[:1], trainer_lp]
     diffs = []
     for probe, (s, t) in zip(
-        ("greedy (prefix cache)", "prompt_logprobs"), zip(server, trainer, strict=True), strict=True
+        ("first token (prefix cache)", "prompt_logprobs"), zip(server, trainer, strict=True), strict=True
     ):
         if s.shape != t.shape:
             raise CanaryError(f"canary {probe}: trainer gave shape {t.shape}, server {s.shape}")

@@ -5,8 +5,8 @@ Usage: python mp_canary_worker.py PROCESS_ID PORT CKPT OUT_DIR
 Counts every call into the training path's log-prob function (`rljax.trainer.make_logprob_fn`'s
 result) and pushes through both multi-process layouts of `rljax.loop.engine`'s `ShardedJaxWeights`:
 each process serving its own buckets over tcp (trainers on several hosts) and mapped files (one host),
-with a leader-side push that asks the canary's trainer side what `weight_sync.canary.check_canary`
-asks (the server's greedy token differs from the canary's fixed first token), then the kept
+with a leader-side push that asks the canary's trainer side for tokens the leader names (the
+collective follows whatever it asks), then the kept
 snapshot's answers (a recovery's re-push). Each process writes its counts and the leader's answers
 to OUT_DIR/canary<i>.pkl.
 """

@@ -94,8 +94,8 @@ def test_worker_rejects_bad_tensor_naming_it_then_full_push_recovers(served_qwen
 def test_canary_catches_stale_tied_lm_head_without_the_repack_fix(served_qwen2):
     version, state = served_qwen2.engine.version, served_qwen2.ref.state()
     served_qwen2.engine.syncer.reset()  # re-sends init_info with the fix switched off
-    # The stale head shows in both probes; the greedy one runs first.
-    with pytest.raises(WeightSyncError, match=r"canary (greedy|prompt_logprobs)") as err:
+    # The stale head shows in both probes; the first-token one runs first.
+    with pytest.raises(WeightSyncError, match=r"canary (first token|prompt_logprobs)") as err:
         served_qwen2.push(perturbed(state, seed=11, scale=0.3), version + 1, repack_tied_lm_head=False)
     assert "tolerance" in str(err.value)
     served_qwen2.engine.syncer.reset()  # and back on
@@ -115,7 +115,7 @@ def test_canary_is_sized_from_the_servers_kv_block(served_qwen2):
 def test_canary_catches_stale_prefix_cache(served_qwen2):
     version, state = served_qwen2.engine.version, served_qwen2.ref.state()
     served_qwen2.push(perturbed(state, seed=21), version + 1)  # its canary fills the prefix cache
-    with pytest.raises(WeightSyncError, match=r"canary greedy \(prefix cache\)"):
+    with pytest.raises(WeightSyncError, match=r"canary first token \(prefix cache\)"):
         served_qwen2.push(perturbed(state, seed=22, scale=0.3), version + 2, clear_prefix_cache=False)
     served_qwen2.push(perturbed(state, seed=23), version + 3)
     assert_serves_reference(served_qwen2, version + 3)
