@@ -72,7 +72,8 @@ def loop(
             with timer.phase("update"):
                 state, update_metrics = run.trainer.update(state, sharded, run.trainer.ref_params)
             with timer.phase("weight_sync"):
-                sync_metrics = sync_weights(run.sampler.engine, run.producer, state, version)
+                served_now = eval_due(cfg, version) or version == cfg.trainer.steps
+                sync_metrics = sync_weights(run.sampler.engine, run.producer, state, version, served_now)
             metrics = rollout_metrics | batch_metrics | update_metrics | sync_metrics
             metrics["policy/version"] = float(version)
             if eval_due(cfg, version):
@@ -126,12 +127,25 @@ def make_batch(
     return batch, sharded, metrics | layout_metrics
 
 
-def sync_weights(engine: Engine, producer: AsyncProducer | None, state: TrainState, version: int) -> dict:
-    """Serves `state.params` as policy `version`; the async producer may then run ahead from it."""
-    metrics = engine.push_weights(state.params, version)
-    if producer is not None:
-        producer.set_version(version)
-    return metrics
+def sync_weights(
+    engine: Engine, producer: AsyncProducer | None, state: TrainState, version: int, served_now: bool
+) -> dict:
+    """Serves `state.params` as policy `version`; the async producer may then run ahead from it.
+
+    Sync mode (and multi-process runs): delivered before this returns. Async mode in one process: the
+    trainer's side is done here and the rest is delivered in the background (`engine.start_push`), the
+    producer told when it is served; `served_now` (an evaluation or the run's end follows) waits for it.
+    Returns the weight_sync/* of the pushes delivered since the previous step (async: usually the
+    previous step's)."""
+    if producer is None or jax.process_count() > 1:
+        metrics = engine.push_weights(state.params, version)
+        if producer is not None:
+            producer.set_version(version)
+        return metrics
+    engine.start_push(state.params, version, on_served=producer.set_version)
+    if served_now:
+        engine.wait_pushed()
+    return engine.pushed_metrics()
 
 
 def leader_evaluate(evaluator: Evaluator) -> dict:

@@ -3,6 +3,7 @@
     engine = RolloutEngine.launch(model_path, workdir, weights=source)   # or RolloutEngine.connect(urls, ...)
     completions = engine.generate(prompt_ids, n=8, temperature=1.0, max_tokens=64, stop_token_ids=[eos])
     metrics = engine.push_weights(params, version)                        # weight_sync/* and recovery/*
+    engine.start_push(params, version, on_served=...)  # async mode: delivered off this thread
     engine.close()
 
 It composes the owned servers' lifecycle (`VLLMServer`, or servers started elsewhere), the rollout client
@@ -44,6 +45,7 @@ import requests
 from rljax.config import DEFAULTS
 from rljax.rollout import placement
 from rljax.rollout.auth import bearer_headers, new_token
+from rljax.rollout.background import BackgroundPush
 from rljax.rollout.client import ClientOptions, Completion, RolloutClient
 from rljax.rollout.recovery import RECOVERY_METRICS, call_with_recovery
 from rljax.rollout.server import ServerOptions, VLLMServer
@@ -173,6 +175,7 @@ class RolloutEngine:
         self._stats: dict[str, float] = dict.fromkeys(RECOVERY_METRICS, 0.0)
         self._stats_lock = threading.Lock()
         self.unpin_cpus: tuple[int, ...] = ()  # set by whoever pinned this process (host placement)
+        self._background: BackgroundPush | None = None  # made by the first start_push
 
     @classmethod
     def launch(
@@ -275,9 +278,34 @@ class RolloutEngine:
         counts since the previous push. Raises WeightSyncError (no recovery) or RecoveryExhaustedError."""
         if self.weights is None:
             raise ValueError("RolloutEngine: push_weights needs the engine's `weights` (a WeightSource)")
+        self.wait_pushed()  # a `start_push` still in flight is delivered (or raised) first
         return self.weights.push(
             params, self.syncer.canary, functools.partial(self._push_snapshot, version=version)
         )
+
+    def start_push(self, params: Any, version: int, on_served: Callable[[int], None] | None = None) -> None:
+        """`push_weights`, delivered on a background thread once the trainer's side (the canary's forward,
+        a host copy of the weights) is done; `on_served(version)` when the servers serve it, verified.
+        Waits for the previous such push first and raises its failure (`rljax.rollout.background`)."""
+        if self.weights is None:
+            raise ValueError("RolloutEngine: start_push needs the engine's `weights` (a WeightSource)")
+        if self._background is None:
+            spec = self.syncer.canary
+            self._background = BackgroundPush(
+                lambda params, push: self.weights.push(params, spec, push),
+                lambda snapshot, version: self._push_snapshot(snapshot, version=version),
+                ([int(t) for t in spec.prompt_ids], [int(t) for t in spec.completion_ids]),
+            )
+        self._background.start(params, version, on_served)
+
+    def wait_pushed(self) -> None:
+        """Waits for the push `start_push` began (if any); raises its failure."""
+        if self._background is not None:
+            self._background.wait()
+
+    def pushed_metrics(self) -> dict[str, float]:
+        """weight_sync/* and recovery/* of the `start_push` pushes delivered since the last call."""
+        return self._background.metrics() if self._background is not None else {}
 
     def _push_snapshot(self, snapshot: Snapshot, *, version: int) -> dict[str, float]:
         with self._lock:
@@ -359,6 +387,8 @@ class RolloutEngine:
 
     def close(self) -> None:
         """Stops the client, the syncer and the owned servers; gives pinned cores back."""
+        if self._background is not None:  # the push in flight first: it uses the client and the syncer
+            self._background.close()
         self.client.close()
         self.syncer.close()
         for s in self.servers:

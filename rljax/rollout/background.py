@@ -1,0 +1,80 @@
+"""A weight push delivered off the trainer's thread (async mode): `RolloutEngine.start_push`.
+
+In async mode (`trainer.max_staleness` >= 1) the producer keeps generating from the served version while
+the trainer updates, so nothing on the trainer's side needs the new weights served before its next
+update. `BackgroundPush.start(params, version)` therefore does on the trainer's thread only what needs the
+trainer's arrays (the next update donates them): the canary's trainer side (`EarlyCanary`'s forward,
+dispatched when the push began) and a host copy of the weights in the serving dtype (the snapshot's
+`keep()`, the copy a recovery re-pushes anyway). Staging, the pause, the load, the canary's server side,
+the version check and any recovery then run on one background thread; `on_served(version)` (the
+producer's `set_version`) is called once the servers serve the new version, verified.
+
+One push is in flight at a time: `start` first waits for the previous one and raises its failure (so a
+failed push stops the run at the next step at the latest). `wait()` waits for the push in flight (before
+an evaluation, and at the last step, so the run ends served). `metrics()` returns the pushes delivered
+since its last call, combined by each metric's reduction (`combine_metrics`): in steady state a step
+logs the previous step's push.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from rljax.metrics.values import combine_metrics
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundPush:
+    """`start(params, version, on_served)`, `wait()`, `metrics()`, `close()` over an engine's weights.
+
+    `source_push(params, push)`: the engine's weight source (`WeightSource.push` with the canary bound);
+    `deliver(snapshot, version) -> metrics`: the engine's verified push of a snapshot, with recovery;
+    `question`: the canary's (prompt_ids, completion_ids).
+    """
+
+    def __init__(self, source_push: Callable, deliver: Callable, question: tuple[list[int], list[int]]):
+        self._source_push, self._deliver, self._question = source_push, deliver, question
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rljax-push")
+        self._pending: Future | None = None
+        self._delivered: list[dict[str, float]] = []
+
+    def start(self, params: Any, version: int, on_served: Callable[[int], None] | None = None) -> None:
+        self.wait()
+
+        def hand_off(snapshot) -> dict:
+            snapshot.logprobs(*self._question)  # the trainer side, from these params (its forward is done)
+            kept = snapshot.keep()()  # host copy: the next update donates the params
+            self._pending = self._pool.submit(self._run, kept, version, on_served)
+            return {}
+
+        self._source_push(params, hand_off)
+
+    def _run(self, snapshot, version: int, on_served) -> dict[str, float]:
+        metrics = self._deliver(snapshot, version)
+        if on_served is not None:
+            on_served(version)
+        return metrics
+
+    def wait(self) -> None:
+        """Waits for the push in flight (if any); raises its failure."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._delivered.append(pending.result())
+
+    def metrics(self) -> dict[str, float]:
+        """weight_sync/* and recovery/* of the pushes delivered since the last call."""
+        out, self._delivered = combine_metrics(self._delivered), []
+        return out
+
+    def close(self) -> None:
+        """Waits for the push in flight (bounded by the sync's own timeouts); logs its failure."""
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001 - closing: the run is ending either way
+            log.error("the last background weight push failed: %s", e)
+        finally:
+            self._pool.shutdown(wait=True)
