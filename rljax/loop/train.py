@@ -64,7 +64,7 @@ def loop(
         version = step + 1
         with profiler.step(version):
             with timer.phase("rollout"):
-                groups, rollout_metrics = collect(run.collector, run.producer, step)
+                groups, rollout_metrics = collect(run.collector, run.producer, step, run.sampler.engine)
             with timer.phase("batch"):
                 batch, sharded, batch_metrics = make_batch(
                     cfg, run.trainer, run.sampler.options, run.io.workdir, groups, step
@@ -90,14 +90,21 @@ def loop(
 
 
 def collect(
-    collector: Collector, producer: AsyncProducer | None, step: int
+    collector: Collector, producer: AsyncProducer | None, step: int, engine: Engine
 ) -> tuple[list[Group] | None, dict]:
-    """The groups trained on at `step` (leader only): generated now (sync) or taken from the async buffer."""
+    """The groups trained on at `step` (leader only): generated now (sync) or taken from the async buffer.
+    A producer that failed because a background push failed (the gate it left broken) reports the push's
+    own error (`engine.wait_pushed`)."""
     if not is_leader():
         return None, {}
-    if producer is not None:
+    if producer is None:
+        return rollout_phase.select_groups(collector, step)
+    try:
         return producer.take(step)
-    return rollout_phase.select_groups(collector, step)
+    except RuntimeError:
+        if jax.process_count() == 1:
+            engine.wait_pushed()  # raises the push's failure, if that was the cause
+        raise
 
 
 def make_batch(

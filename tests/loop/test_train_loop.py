@@ -11,6 +11,7 @@ import dataclasses
 import json
 
 import numpy as np
+import pytest
 from mp_trainer_common import with_fields
 
 from rljax.config import Config
@@ -24,6 +25,7 @@ from rljax.models import ModelConfig
 from rljax.sampling import Sampler, SamplingOptions
 from rljax.trainer.state import TrainState
 from rljax.trajectory import Group, Trajectory
+from rljax.weight_sync import WeightSyncError
 
 
 class Engine:
@@ -126,3 +128,25 @@ def test_loop_threads_the_state_through_the_phases(tmp_path):
         assert phases[-6:] == ["rollout", "batch", "update", "weight_sync", "eval", "step"]  # both eval
     # The save after version 2 is timed in the next step (as every phase outside a step's own).
     assert "timing/checkpoint_s" not in lines[0] and "timing/checkpoint_s" in lines[1]
+
+
+def test_a_producer_failed_by_a_background_push_reports_the_push_error():
+    """Async mode: a failed background push leaves the gate broken, so the producer fails first; the step
+    reports the push's own error, and the producer's when no push failed."""
+
+    class Producer:
+        def take(self, step):
+            raise RuntimeError("async rollout producer failed: the servers may hold mixed weights")
+
+    class PushFailed:
+        def wait_pushed(self):
+            raise WeightSyncError("canary prompt_logprobs on http://x: differ by max 0.3")
+
+    class PushFine:
+        def wait_pushed(self):
+            pass
+
+    with pytest.raises(WeightSyncError, match="canary prompt_logprobs"):
+        train.collect(None, Producer(), 3, PushFailed())
+    with pytest.raises(RuntimeError, match="async rollout producer failed"):
+        train.collect(None, Producer(), 3, PushFine())
