@@ -102,8 +102,7 @@ def collect(
     try:
         return producer.take(step)
     except RuntimeError:
-        if jax.process_count() == 1:
-            engine.wait_pushed()  # raises the push's failure, if that was the cause
+        engine.wait_pushed()  # raises a failed background push's error, if that was the cause
         raise
 
 

@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from rljax.metrics.values import combine_metrics
+from rljax.weight_sync.canary import CanarySpec
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,11 @@ class BackgroundPush:
 
     `source_push(params, push)`: the engine's weight source (`WeightSource.push` with the canary bound);
     `deliver(snapshot, version) -> metrics`: the engine's verified push of a snapshot, with recovery;
-    `question`: the canary's (prompt_ids, completion_ids).
+    `canary`: the question the push's check will ask.
     """
 
-    def __init__(self, source_push: Callable, deliver: Callable, question: tuple[list[int], list[int]]):
-        self._source_push, self._deliver, self._question = source_push, deliver, question
+    def __init__(self, source_push: Callable, deliver: Callable, canary: CanarySpec):
+        self._source_push, self._deliver, self._canary = source_push, deliver, canary
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rljax-push")
         self._pending: Future | None = None
         self._delivered: list[dict[str, float]] = []
@@ -46,7 +47,8 @@ class BackgroundPush:
         self.wait()
 
         def hand_off(snapshot) -> dict:
-            snapshot.logprobs(*self._question)  # the trainer side, from these params (its forward is done)
+            # the trainer side, from these params (its forward is done)
+            snapshot.logprobs(self._canary.prompt_ids, self._canary.completion_ids)
             kept = snapshot.keep()()  # host copy: the next update donates the params
             self._pending = self._pool.submit(self._run, kept, version, on_served)
             return {}

@@ -294,7 +294,7 @@ class RolloutEngine:
             self._background = BackgroundPush(
                 lambda params, push: self.weights.push(params, spec, push),
                 lambda snapshot, version: self._push_snapshot(snapshot, version=version),
-                ([int(t) for t in spec.prompt_ids], [int(t) for t in spec.completion_ids]),
+                spec,
             )
         self._background.start(params, version, on_served)
 

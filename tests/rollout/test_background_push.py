@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from rljax.rollout.background import BackgroundPush
+from rljax.weight_sync.canary import CanarySpec
 
 QUESTION = ([1, 2, 3], [4, 5])
 
@@ -34,7 +35,7 @@ def make(deliver, log):
     def source_push(params, push):  # a WeightSource: hands the engine a snapshot of `params`
         return push(Snapshot(params, log))
 
-    return BackgroundPush(source_push, deliver, QUESTION)
+    return BackgroundPush(source_push, deliver, CanarySpec(*map(tuple, QUESTION)))
 
 
 def test_trainer_side_runs_on_the_callers_thread_and_the_delivery_behind_it():
