@@ -19,6 +19,7 @@ CORE = [
     "requests>=2.31",
     "matplotlib>=3.8",
     "psutil>=5.9",
+    "pyzmq>=25",  # the zmq transport (CURVE: needs libzmq with libsodium, as in the PyPI wheels)
 ]
 
 EXTRAS = {
@@ -30,6 +31,10 @@ EXTRAS = {
     # torch, plus the wheels of scripts/gpu_wheels.sh installed with --no-deps (README, "The GPU check").
     # jax-triton 0.3.1 is the release for triton >= 3.6.
     "gpu": ["vllm>=0.32", "jax[cuda13]>=0.10,<0.12", "jax-triton>=0.3.1"],
+    # Optional features, each imported only when used: the parquet and `datasets` prompt sources
+    # (data.source), the Weights & Biases writer (metrics.wandb_project).
+    "data": ["pyarrow>=15", "datasets>=3"],
+    "wandb": ["wandb>=0.18"],
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.3",
@@ -39,10 +44,7 @@ EXTRAS = {
         "ipykernel>=6.29",
         "tensorboard>=2.16",
         "ruff>=0.6",
-        "pyarrow>=15",  # parquet prompt sources
-        "datasets>=3",  # `datasets.load_from_disk` prompt sources
-        "wandb>=0.18",  # the W&B writer's offline-mode test
-    ],
+    ],  # the suite also needs the data and wandb extras (setup_env.sh installs them)
 }
 
 setup(

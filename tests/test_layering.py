@@ -2,6 +2,7 @@
 
 import ast
 import pathlib
+import re
 import sys
 
 import pytest
@@ -181,3 +182,50 @@ def test_the_trainer_side_of_the_boundary_loads_no_torch_or_vllm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def declared_distributions() -> dict[str, set[str]]:
+    """setup.py's requirement names (normalized), by where they are declared: "core" or the extra's name."""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    values = {
+        t.id: ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name) and t.id in ("CORE", "EXTRAS")
+    }
+    groups = {"core": values["CORE"], **values["EXTRAS"]}
+    name = re.compile(r"[A-Za-z0-9._-]+")
+    return {g: {normalized(name.match(r).group(0)) for r in reqs} for g, reqs in groups.items()}
+
+
+def normalized(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+# Modules whose distribution is not installed on this machine, or comes with a declared one.
+NOT_INSTALLED_HERE = {"jax_triton": "jax-triton"}  # the gpu extra
+COMES_WITH = {"triton": "jax-triton"}  # the GPU kernels' triton is jax-triton's (and torch's) dependency
+
+
+def test_every_third_party_import_is_a_declared_dependency():
+    """A package the library imports is in setup.py itself (not only there because vLLM or a test tool
+    pulls it in): e.g. pyzmq, which the trainer side of the zmq transport imports."""
+    import importlib.metadata
+
+    installed = importlib.metadata.packages_distributions()
+    declared = declared_distributions()
+    everything = set().union(*declared.values())
+    undeclared = []
+    for root in ("rljax", "kernels"):
+        for f in sorted((REPO / root).rglob("*.py")):
+            for top in sorted({n.split(".")[0] for n in imports_of(f)} - STDLIB - {"rljax", "__future__"}):
+                dists = {normalized(d) for d in installed.get(top, ())}
+                dists |= {d for d in (NOT_INSTALLED_HERE.get(top), COMES_WITH.get(top)) if d}
+                if not dists & everything:
+                    where = sorted(dists) or "not installed"
+                    undeclared.append(f"{f.relative_to(REPO)} imports {top} ({where})")
+    assert not undeclared, "\n".join(undeclared)
+    # the optional features' packages have extras of their own (not only the test extra)
+    assert {"pyarrow", "datasets"} <= declared["data"] and "wandb" in declared["wandb"]
+    assert "pyzmq" in declared["core"]

@@ -103,7 +103,7 @@ def parquet_source(
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise ImportError("parquet source needs pyarrow: pip install pyarrow") from e
+        raise ImportError("parquet source needs pyarrow: pip install 'rljax[data]' (or pyarrow)") from e
     if not pathlib.Path(path).exists():
         raise FileNotFoundError(f"parquet source: nothing at {path!r}")
     rows = pq.read_table(path).to_pylist()
@@ -123,7 +123,9 @@ def hf_datasets_source(
     try:
         import datasets
     except ImportError as e:
-        raise ImportError("hf_datasets source needs the `datasets` package: pip install datasets") from e
+        raise ImportError(
+            "hf_datasets source needs the `datasets` package: pip install 'rljax[data]' (or datasets)"
+        ) from e
     loaded = datasets.load_from_disk(path)
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:

@@ -176,7 +176,7 @@ def import_wandb() -> Any:
     except ImportError as err:
         raise ImportError(
             "Weights & Biases logging is configured (MetricsLogger(wandb=...) / metrics.wandb_project) but "
-            "the `wandb` package is not installed: `pip install wandb`, or turn W&B off (wandb=None)"
+            "the `wandb` package is not installed: `pip install 'rljax[wandb]'`, or turn W&B off (wandb=None)"
         ) from err
     return wandb
 

@@ -173,7 +173,7 @@ def test_console_redraws_in_place_on_a_terminal(tmp_path):
 
 def test_wandb_missing_gives_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # makes `import wandb` raise ImportError
-    with pytest.raises(ImportError, match="pip install wandb"):
+    with pytest.raises(ImportError, match=r"pip install .rljax\[wandb\]."):
         MetricsLogger(tmp_path, console=False, tensorboard=False, wandb={"project": "p", "mode": "offline"})
     with pytest.raises(ValueError, match="valid keys"):
         MetricsLogger(tmp_path / "b", console=False, tensorboard=False, wandb={"project": "p", "bogus": 1})
