@@ -2,9 +2,9 @@
 the one trainer-side boundary to vLLM (generation, weight push, recovery)."""
 
 from rljax.rollout.client import ClientOptions, Completion, RolloutClient, RolloutError
-from rljax.rollout.engine import RolloutEngine, StateDictWeights, served_model_name
+from rljax.rollout.engine import RolloutEngine, StateDictWeights
 from rljax.rollout.recovery import RecoveryExhaustedError
-from rljax.rollout.server import ServerError, ServerOptions, VLLMServer, free_port
+from rljax.rollout.server import ServerError, ServerOptions, VLLMServer, free_port, served_model_name
 from rljax.weight_sync.gate import PolicyGate
 
 __all__ = [

@@ -21,7 +21,9 @@ or hung server) restarts every owned server that died or stopped answering, re-p
 weights and version (from a copy the engine keeps) and resubmits the call; after `max_restarts` restarts
 in a row the call raises `RecoveryExhaustedError`. One recovery runs at a time (a lock shared by the loop
 and the async producer's thread); a caller whose failure predates a recovery that already happened just
-retries. With `max_restarts` = 0 the first error is raised as it is.
+retries. Until the re-push the gate is broken: a generate call that comes in meanwhile fails, waits for
+the recovery and is resubmitted, instead of sampling a restarted server's checkpoint under the previous
+version's label. With `max_restarts` = 0 the first error is raised as it is.
 
 `model_path` is the local checkpoint directory the servers loaded: the syncer checks names and shapes
 against its safetensors headers and sizes the canary from its `config.json` (vocabulary) and the servers'
@@ -40,15 +42,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import requests
 
 from rljax.config import DEFAULTS
 from rljax.rollout import placement
-from rljax.rollout.auth import bearer_headers, new_token
+from rljax.rollout.auth import bearer_headers
 from rljax.rollout.background import BackgroundPush
 from rljax.rollout.client import ClientOptions, Completion, RolloutClient
 from rljax.rollout.recovery import RECOVERY_METRICS, call_with_recovery
-from rljax.rollout.server import ServerOptions, VLLMServer
+from rljax.rollout.server import ServerOptions, VLLMServer, launch_servers, served_model_name
 from rljax.weight_sync.canary import (
     DEFAULT_BLOCK_SIZE,
     CanarySpec,
@@ -113,42 +114,14 @@ class _Items:
         return lambda: kept
 
 
-def served_model_name(url: str, timeout_s: float = 10.0, headers: dict | None = None) -> str:
-    """The id of the (single) model a server serves, from `/v1/models`."""
-    r = requests.get(url + "/v1/models", headers=headers, timeout=timeout_s)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
-
-
 def canary_block_size(urls: Sequence[str], headers: dict | None = None) -> int:
     """The largest KV block size among the servers (what the canary's prompt must span), vLLM's largest
     default where a server does not report it."""
     return max(server_block_size(u, headers=headers) or DEFAULT_BLOCK_SIZE for u in urls)
 
 
-def launch_servers(
-    model_path: str | os.PathLike,
-    workdir: str | os.PathLike,
-    *,
-    replicas: int = 1,
-    host: str = "127.0.0.1",
-    options: ServerOptions = ServerOptions(),
-) -> list[VLLMServer]:
-    """Starts `replicas` servers at once, each on its own port (logs in `workdir/replica_<i>/`, one fresh
-    bearer token for all), and waits until every one answers `/health`."""
-    servers, token = [], new_token()
-    try:
-        for i in range(replicas):
-            path = Path(workdir) / f"replica_{i}"
-            servers.append(VLLMServer(model_path, path, host=host, options=options, token=token))
-            servers[-1].spawn()
-        for s in servers:
-            s.wait_healthy(options.startup_timeout_s)
-        return servers
-    except BaseException:
-        for s in servers:
-            s.stop()
-        raise
+def _restarting(servers: Sequence[VLLMServer]) -> str:
+    return f"restarting {', '.join(s.url for s in servers)}; serving again after the re-push"
 
 
 class RolloutEngine:
@@ -338,8 +311,12 @@ class RolloutEngine:
     def restart_unhealthy(self) -> list[VLLMServer]:
         """Restarts (all at once) the owned servers that died or do not answer `/health` and forgets the
         syncer's per-server state; returns the restarted servers. A full push must follow (it also
-        repairs a live server left with mixed weights by a failed push)."""
+        repairs a live server left with mixed weights by a failed push). Until it succeeds the gate is
+        broken: a restarted server serves the checkpoint, not the gate's version, so a generate call that
+        came in meanwhile would get samples labelled with the wrong policy version."""
         dead = [s for s in self.servers if not s.healthy()]
+        if dead and not self.gate.broken:  # (a failed push's "mixed weights" stays until its re-push)
+            self.gate.broken = _restarting(dead)
         for s in dead:
             s.stop()
             s.spawn()
@@ -353,10 +330,12 @@ class RolloutEngine:
         with self._lock:
             if self._epoch != seen_epoch:
                 return False
-            self.restart_unhealthy()
-            if self._current is not None:  # else nothing was pushed: a restart loads the same checkpoint
+            dead = self.restart_unhealthy()
+            if self._current is not None:
                 kept, version = self._current
                 self._push_attempt(kept(), version)
+            elif dead and self.gate.broken == _restarting(dead):  # nothing was pushed: a restarted
+                self.gate.broken = None  # server serves the same checkpoint as before
             self._epoch += 1
             return True
 

@@ -15,6 +15,8 @@ process in its own process group, with:
 
 `stop()` sends SIGTERM to the group and SIGKILL after a grace period; `restart()` keeps host, port and token.
 The child gets SIGTERM when the process that started it dies, even by SIGKILL (`child_exec.py` execs it).
+`launch_servers` starts several at once (one token, one port each); `served_model_name` reads the id a
+server serves.
 """
 
 from __future__ import annotations
@@ -293,3 +295,35 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def served_model_name(url: str, timeout_s: float = 10.0, headers: dict | None = None) -> str:
+    """The id of the (single) model a server serves, from `/v1/models`."""
+    r = requests.get(url + "/v1/models", headers=headers, timeout=timeout_s)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def launch_servers(
+    model_path: str | os.PathLike,
+    workdir: str | os.PathLike,
+    *,
+    replicas: int = 1,
+    host: str = "127.0.0.1",
+    options: ServerOptions = ServerOptions(),
+) -> list[VLLMServer]:
+    """Starts `replicas` servers at once, each on its own port (logs in `workdir/replica_<i>/`, one fresh
+    bearer token for all), and waits until every one answers `/health`."""
+    servers, token = [], auth.new_token()
+    try:
+        for i in range(replicas):
+            path = Path(workdir) / f"replica_{i}"
+            servers.append(VLLMServer(model_path, path, host=host, options=options, token=token))
+            servers[-1].spawn()
+        for s in servers:
+            s.wait_healthy(options.startup_timeout_s)
+        return servers
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise

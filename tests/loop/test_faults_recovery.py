@@ -12,6 +12,7 @@ from rljax.rollout import RolloutEngine
 from rljax.rollout.client import RolloutError
 from rljax.rollout.recovery import RecoveryExhaustedError, call_with_recovery
 from rljax.rollout.server import ServerError
+from rljax.weight_sync.gate import PolicyGate
 from rljax.weight_sync.syncer import WeightSyncError
 
 
@@ -78,7 +79,7 @@ def test_fault_plan_parses_counts_calls_and_postpones():
     plan = FaultPlan.parse(spec)
     assert plan.next_call("generate") == set()
     assert plan.next_call("generate") == {"kill_server_mid_generate"}
-    assert plan.next_call("push_weights") == {"kill_server_mid_sync"}
+    assert plan.next_call("push") == {"kill_server_mid_sync"}
     plan.postpone("kill_server_mid_generate")
     assert plan.next_call("generate") == {"kill_server_mid_generate"}
     assert plan.next_call("generate") == {"kill_server_mid_generate"} and plan.next_call("generate") == set()
@@ -89,8 +90,10 @@ def test_fault_plan_parses_counts_calls_and_postpones():
 
 
 class _FakeServer:
+    url = "http://fake"
+
     def __init__(self):
-        self.alive, self.restarts = False, 0
+        self.alive, self.restarts, self.gate_while_restarting = False, 0, []
 
     def healthy(self):
         return self.alive
@@ -101,6 +104,7 @@ class _FakeServer:
     def spawn(self):
         self.restarts += 1
         self.alive = True
+        self.gate_while_restarting.append(self.gate.broken)  # set by the test
 
     def wait_healthy(self, timeout_s):
         assert self.alive
@@ -112,10 +116,13 @@ class _FakeClient:
     """Two generate calls in flight together on a dead server (both fail), then it serves."""
 
     def __init__(self, server):
-        self.server, self.urls = server, ["http://fake"]
+        self.server, self.urls, self.gate = server, ["http://fake"], PolicyGate()
         self.both_in_flight = threading.Barrier(2, timeout=10)
+        server.gate = self.gate
 
     def generate(self, prompts, **sampling):
+        if self.gate.broken:
+            raise RolloutError(f"servers are not servable: {self.gate.broken}")
         if not self.server.alive:
             self.both_in_flight.wait()
             raise RolloutError("connection refused")
@@ -142,6 +149,9 @@ def test_engine_one_recovery_for_concurrent_failures_and_resubmits_both():
     assert not errors, errors
     assert results == {n: [f"completion of {n}", f"completion of {n}2"] for n in ("a", "b")}
     assert server.restarts == 1  # the second failure saw the first one's recovery: no restart
+    # generation was refused while the restarted server served only its checkpoint; open again after
+    assert server.gate_while_restarting == ["restarting http://fake; serving again after the re-push"]
+    assert engine.gate.broken is None
     stats = engine._drain_stats()
     assert stats["recovery/restarts"] == 1.0 and stats["recovery/resubmitted"] == 4.0
     assert engine._drain_stats()["recovery/restarts"] == 0.0  # drained per push

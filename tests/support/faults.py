@@ -7,8 +7,9 @@ fault suite's `fault_main.py` does it before `rljax.main.run`):
   requests running or waiting (vLLM `/metrics`); if that attempt ends first, the fault moves on to the
   next call. A killed attempt fails with `RolloutError` even when its last request was answered just
   before the kill landed, so the engine's recovery (restart, re-push, resubmit) always runs.
-- `kill_server_mid_sync:N` SIGKILLs them halfway through the tensors of the N-th `push_weights` call's
-  first attempt.
+- `kill_server_mid_sync:N` SIGKILLs them halfway through the tensors of the N-th weight push's first
+  attempt: a `push_weights` call, or an async-mode `start_push` delivered in the background (both go
+  through `RolloutEngine._push_snapshot`, on whichever thread delivers the push).
 
 Calls are counted per process, over every engine; the recovery's own re-pushes are not counted.
 """
@@ -29,13 +30,13 @@ from rljax.rollout.client import RolloutError
 from rljax.rollout.engine import RolloutEngine
 
 log = logging.getLogger("rljax.test_faults")
-FAULTS = {"kill_server_mid_generate": "generate", "kill_server_mid_sync": "push_weights"}
+FAULTS = {"kill_server_mid_generate": "generate", "kill_server_mid_sync": "push"}
 _SPEC = re.compile(r"^([a-z_]+):([1-9][0-9]*)$")
 
 
 @dataclasses.dataclass
 class FaultPlan:
-    """Faults to inject on the N-th (1-based) generate or push_weights call: `{fault: {N, ...}}`."""
+    """Faults to inject on the N-th (1-based) generate call or weight push: `{fault: {N, ...}}`."""
 
     faults: dict[str, set[int]] = dataclasses.field(default_factory=dict)
     calls: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -52,7 +53,7 @@ class FaultPlan:
         return plan
 
     def next_call(self, op: str) -> set[str]:
-        """Counts one `op` ("generate" or "push_weights") call; returns the faults planned for it."""
+        """Counts one `op` ("generate" or "push") call; returns the faults planned for it."""
         n = self.calls[op] = self.calls.get(op, 0) + 1
         return {f for f, o in FAULTS.items() if o == op and n in self.faults.get(f, ())}
 
@@ -98,7 +99,7 @@ def kill_halfway(tensors: list[tuple[str, object]], servers) -> Iterator[tuple[s
 
 
 @dataclasses.dataclass(frozen=True)
-class _KillingSnapshot:
+class KillingSnapshot:
     """A snapshot whose tensors SIGKILL the servers halfway through."""
 
     inner: object
@@ -112,10 +113,11 @@ class _KillingSnapshot:
 
 
 def install(plan: FaultPlan) -> None:
-    """Wraps `RolloutEngine.generate`/`push_weights` (count calls, arm this thread's next attempt) and
-    their one-attempt methods (inject the armed fault) for the rest of this process."""
+    """Wraps `RolloutEngine.generate`/`_push_snapshot` (count calls, arm this thread's next attempt) and
+    their one-attempt methods (inject the armed fault) for the rest of this process. A push is counted
+    where it is delivered, so a background push arms the thread that makes its attempts."""
     armed = threading.local()
-    generate, push = RolloutEngine.generate, RolloutEngine.push_weights
+    generate, push = RolloutEngine.generate, RolloutEngine._push_snapshot
     generate_attempt, push_attempt = RolloutEngine._generate_attempt, RolloutEngine._push_attempt
 
     def counted(method, op):
@@ -145,10 +147,10 @@ def install(plan: FaultPlan) -> None:
     def faulty_push_attempt(self, snapshot, version):
         faults, armed.faults = getattr(armed, "faults", set()), set()
         if "kill_server_mid_sync" in faults:
-            snapshot = _KillingSnapshot(snapshot, self.servers)
+            snapshot = KillingSnapshot(snapshot, self.servers)
         return push_attempt(self, snapshot, version)
 
     RolloutEngine.generate = counted(generate, "generate")
-    RolloutEngine.push_weights = counted(push, "push_weights")
+    RolloutEngine._push_snapshot = counted(push, "push")
     RolloutEngine._generate_attempt = faulty_generate_attempt
     RolloutEngine._push_attempt = faulty_push_attempt

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess]
 def test_two_processes_each_stage_their_own_shards_and_the_server_serves_them(tmp_path):
     from rljax.rollout import VLLMServer
     from rljax.rollout.auth import bearer_headers
-    from rljax.rollout.engine import served_model_name
+    from rljax.rollout.server import served_model_name
     from rljax.weight_sync.canary import server_prompt_logprobs
 
     ckpt = C.build_checkpoint(str(tmp_path / "ckpt"))
