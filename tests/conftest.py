@@ -1,18 +1,26 @@
-"""Test setup: 8 simulated CPU devices, set before JAX is imported anywhere."""
+"""Test setup: 8 simulated CPU devices, quick XLA compiles and one compilation cache shared by every JAX
+process of the run (tests/support/jax_env.py), set before JAX is imported anywhere."""
 
+import atexit
 import os
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
-
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
+import shutil
+import sys
+import tempfile
 
 # Shared test helpers (servers, clusters, worker scripts) live in tests/support/, importable by name.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+
+import jax_env  # noqa: E402
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in jax_env.xla_flags(8)]
+os.environ["XLA_FLAGS"] = " ".join([*_kept, jax_env.xla_flags(8)])
+os.environ.update(jax_env.CACHE_ENV)
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # one for this run, removed at its end
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="rljax-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+
+import pytest  # noqa: E402
 
 # Session-scoped fixtures: vLLM servers shared by the rollout, sync and end-to-end tests; one Slurm cluster.
 pytest_plugins = ["vllm_server", "slurm_cluster"]

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from jax_env import xla_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = f"--config={REPO}/configs/grpo.py"
@@ -282,7 +283,7 @@ def test_bad_input_real_cli(name, tmp_path):
     """The same through `python -m rljax.main` in a fresh process (one CPU device, as on a laptop)."""
     argv, fragments, workdir = build_argv(name, tmp_path)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()
     proc = subprocess.run(
         [sys.executable, "-m", "rljax.main", *argv[1:]],
         cwd=REPO,

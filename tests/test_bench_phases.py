@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from jax_env import child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -14,7 +15,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_bench_phases_reports_every_phase_against_its_floor(tmp_path):
     out = tmp_path / "phases.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device is enough here
+    env = child_env()  # one CPU device is enough here
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cmd = [sys.executable, "benchmarks/bench_phases.py", "--tiny", "--steps", "3", "--skip", "1"]
     cmd += ["--batch", "8", "--max-tokens", "8", "--repeats", "1", "--skip-async", "--json", str(out)]
@@ -46,7 +47,7 @@ def test_bench_phases_reports_every_phase_against_its_floor(tmp_path):
 
 def test_micro_sweep_times_each_micro_batch_size_against_the_bare_step(tmp_path):
     out = tmp_path / "sweep.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cmd = [sys.executable, "benchmarks/bench_phases.py", "--tiny", "--micro-sweep", "1,0", "--batch", "8"]
     cmd += ["--max-tokens", "8", "--repeats", "1", "--json", str(out)]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax_env import child_env
 
 from rljax.checkpoint import (
     Checkpointer,
@@ -286,7 +287,7 @@ def test_two_processes_agree_on_the_restorable_step(tmp_path):
 
     worker = pathlib.Path(__file__).resolve().parent / "support" / "mp_checkpoint_worker.py"
     port, ckpt_dir = _free_port(), tmp_path / "ckpt"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     procs = [
         subprocess.Popen(
             [sys.executable, str(worker), str(i), str(port), str(ckpt_dir), str(tmp_path / f"out{i}.json")]

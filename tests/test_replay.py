@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from jax_env import xla_flags
 
 from rljax import replay
 from rljax.checkpoint import Checkpointer, batch_path, load_batch
@@ -28,7 +29,7 @@ JAX_CACHE = {  # the run and the replays share compiled programs (the same progr
 
 def env(workdir):
     e = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=f"{workdir}.jax_cache", **JAX_CACHE)
-    e.pop("XLA_FLAGS", None)  # one CPU device: the layout the run used
+    e["XLA_FLAGS"] = xla_flags()  # one CPU device: the layout the run used
     return e
 
 

@@ -19,6 +19,7 @@ import sys
 import time
 
 import pytest
+from jax_env import xla_flags
 from slurm_cluster import SlurmCluster, slurm_installed
 
 pytestmark = [
@@ -56,7 +57,7 @@ def submit(cluster: SlurmCluster, workdir, args: list[str], **env: str) -> str:
         "RLJAX_PLATFORM": "cpu",
         "RLJAX_CPU_DEVICES": "1",
         "RLJAX_PYTHON": sys.executable,
-        "XLA_FLAGS": "",
+        "XLA_FLAGS": xla_flags(),
         **env,
     }
     out = cluster.run(

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from jax_env import xla_flags
 
 from rljax import config as C
 from rljax.data import ChatRenderer, PlainRenderer, make_prompt_renderer, make_source, split_train_eval
@@ -181,7 +182,7 @@ def test_cli_rejects_a_missing_template_before_any_server_starts(tmp_path):
         capture_output=True,
         text=True,
         timeout=180,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()},
         cwd=str(pathlib.Path(__file__).resolve().parents[2]),
     )
     assert proc.returncode == 2, proc.stderr[-2000:]

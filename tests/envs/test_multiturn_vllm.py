@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from jax_env import child_env
 
 from rljax.data import make_prompt_renderer
 from rljax.envs import ENVS, generate_multi_turn_groups
@@ -160,7 +161,7 @@ def test_grpo_main_multi_turn_calculator(served, tmp_path):
         "--config.data.source_options=(('num_examples', 400), ('max_value', 4), ('ops', ('+',)))",  # = TASK
         f"--workdir={tmp_path}",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-m", "rljax.main", *args],
         cwd=REPO,

@@ -20,6 +20,7 @@ import sys
 import time
 
 import pytest
+from jax_env import child_env, xla_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TESTS = pathlib.Path(__file__).resolve().parents[1] / "support"
@@ -44,7 +45,7 @@ def env_for(workdir: pathlib.Path, faults: str, poison_update: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", RLJAX_TEST_FAULTS=faults, PYTHONPATH=f"{REPO}:{TESTS}")
     env["RLJAX_TEST_POISON_UPDATE"] = str(poison_update)
     env["RLJAX_TEST_HANG_MARKER"] = str(workdir / "hang_once.marker")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()
     return env
 
 
@@ -184,7 +185,7 @@ def start_job(log_dir: pathlib.Path, name: str) -> list[subprocess.Popen]:
     """Two processes of one JAX job on localhost, set up as `rljax.launch` does (RLJAX_* environment)."""
     port, procs = free_port(), []
     for i in range(2):
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env = child_env()
         env.update(
             RLJAX_COORDINATOR=f"127.0.0.1:{port}",
             RLJAX_NUM_PROCESSES="2",

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from jax_env import xla_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -17,7 +18,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def run_main(workdir, *overrides, config="configs/grpo.py", timeout=900):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # one CPU device, as on a laptop
+    env["XLA_FLAGS"] = xla_flags()  # one CPU device, as on a laptop
     cmd = [sys.executable, "-m", "rljax.main", f"--config={config}", f"--workdir={workdir}", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]

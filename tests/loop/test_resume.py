@@ -25,6 +25,7 @@ import typing
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from jax_env import xla_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = str(REPO / "assets" / "tiny_arith")
@@ -79,7 +80,7 @@ def env(server):
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
-    e.pop("XLA_FLAGS", None)  # one CPU device, in every run alike
+    e["XLA_FLAGS"] = xla_flags()  # one CPU device, in every run alike
     return e
 
 

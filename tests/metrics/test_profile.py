@@ -16,6 +16,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from jax_env import xla_flags
 
 from rljax import config as C
 from rljax.metrics.parameters import FILENAME, parameter_table, write_parameter_overview
@@ -98,7 +99,7 @@ def chat_run(arith_server, tmp_path_factory):
     data.write_text("\n".join(json.dumps(r) for r in rows))
     workdir = root / "w"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}:{TESTS}")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()
     cmd = [
         sys.executable,
         "-m",

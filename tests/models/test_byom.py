@@ -13,6 +13,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from jax_env import xla_flags
 
 from rljax import models
 from rljax.config import Config, ConfigError, validate
@@ -114,7 +115,7 @@ def test_fused_model_trains_through_main_with_vllm(tmp_path, arith_server):
 
     On the session's tiny_arith server: the fused decoder's first push replaces whatever it served."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()
     cmd = [
         sys.executable,
         "-m",

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax_env import xla_flags
 
 from rljax import models
 from rljax.models.tiny import build_tiny_checkpoint
@@ -53,7 +54,7 @@ def test_vllm_loads_a_saved_checkpoint_and_matches_our_greedy_decode(tmp_path):
     out = models.save_hf_checkpoint(config, params, tmp_path / "saved", tokenizer_dir=src)
     prompts, steps = [[5, 17, 300, 42, 9], [100, 7, 7, 256]], 8
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT, str(out), json.dumps(prompts), str(steps)],
         capture_output=True,

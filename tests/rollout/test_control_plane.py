@@ -24,6 +24,7 @@ import time
 import numpy as np
 import pytest
 import requests
+from jax_env import child_env
 from vllm_server import assert_serves_reference, perturbed
 
 from rljax import config as C
@@ -364,7 +365,7 @@ def test_rollout_node_server_refuses_unauthenticated_rl_routes(tmp_path):
     auth.write_token_file(token_file, token)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cmd = [sys.executable, "-m", "rljax.rollout.serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--token-file", str(token_file), "--", "--config=configs/grpo.py", f"--workdir={tmp_path}/w"]

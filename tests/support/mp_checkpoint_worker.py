@@ -12,7 +12,9 @@ import os
 import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+from jax_env import xla_flags  # noqa: E402 (tests/support is the script's directory)
+
+os.environ["XLA_FLAGS"] = xla_flags(2)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -17,6 +17,7 @@ import time
 import jax
 import numpy as np
 from jax.sharding import Mesh
+from jax_env import child_env
 
 from rljax.config import Config
 from rljax.trainer import TrainBatch
@@ -222,7 +223,7 @@ def run_two_processes(worker: str, args: list[str], log_dir, timeout_s: float) -
     from rljax.rollout.server import free_port
 
     port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     procs, logs = [], []
     for i in range(2):
         log = open(log_dir / f"worker{i}.log", "w+")  # noqa: SIM115 (closed below)
