@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sup
 import jax_env  # noqa: E402
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in jax_env.xla_flags(8)]
+_ours = {f.split("=")[0] for f in jax_env.xla_flags(8).split()}
+_kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in _ours]
 os.environ["XLA_FLAGS"] = " ".join([*_kept, jax_env.xla_flags(8)])
 os.environ.update(jax_env.CACHE_ENV)
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # one for this run, removed at its end

@@ -7,14 +7,13 @@ vLLM server's start replaced by a spy; a handful run as real `python -m rljax.ma
 """
 
 import json
-import os
 import pathlib
 import shutil
 import subprocess
 import sys
 
 import pytest
-from jax_env import xla_flags
+from jax_env import child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = f"--config={REPO}/configs/grpo.py"
@@ -282,8 +281,7 @@ def test_good_inputs_resolve(tmp_path, monkeypatch):
 def test_bad_input_real_cli(name, tmp_path):
     """The same through `python -m rljax.main` in a fresh process (one CPU device, as on a laptop)."""
     argv, fragments, workdir = build_argv(name, tmp_path)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = xla_flags()
+    env = child_env(JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-m", "rljax.main", *argv[1:]],
         cwd=REPO,

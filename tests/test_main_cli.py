@@ -5,14 +5,13 @@ import subprocess
 import sys
 
 import pytest
-from jax_env import xla_flags
+from jax_env import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_main(*args, timeout=120):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = xla_flags()  # one CPU device, as a user's laptop has
+    env = child_env(JAX_PLATFORMS="cpu")  # one CPU device, as a user's laptop has
     return subprocess.run(
         [sys.executable, "-m", "rljax.main", *args],
         cwd=REPO,

@@ -10,9 +10,10 @@ import shutil
 import subprocess
 import sys
 
+import jax_env
 import numpy as np
 import pytest
-from jax_env import xla_flags
+from jax_env import child_env
 
 from rljax import replay
 from rljax.checkpoint import Checkpointer, batch_path, load_batch
@@ -21,16 +22,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-JAX_CACHE = {  # the run and the replays share compiled programs (the same programs give the same bits)
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-}
-
-
 def env(workdir):
-    e = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=f"{workdir}.jax_cache", **JAX_CACHE)
-    e["XLA_FLAGS"] = xla_flags()  # one CPU device: the layout the run used
-    return e
+    """One CPU device (the layout the run used); the run and the replays share compiled programs in their
+    own cache (the same programs give the same bits)."""
+    cache = f"{workdir}.jax_cache"
+    return child_env(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache, **jax_env.CACHE_ENV)
 
 
 @pytest.fixture(scope="module")

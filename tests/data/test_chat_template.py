@@ -3,13 +3,12 @@ token for token what vLLM's chat endpoint builds (checked against a real vLLM se
 /v1/chat/completions `prompt_token_ids`); a tokenizer without a template is a config error."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
-from jax_env import xla_flags
+from jax_env import child_env
 
 from rljax import config as C
 from rljax.data import ChatRenderer, PlainRenderer, make_prompt_renderer, make_source, split_train_eval
@@ -182,7 +181,7 @@ def test_cli_rejects_a_missing_template_before_any_server_starts(tmp_path):
         capture_output=True,
         text=True,
         timeout=180,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()},
+        env=child_env(JAX_PLATFORMS="cpu"),
         cwd=str(pathlib.Path(__file__).resolve().parents[2]),
     )
     assert proc.returncode == 2, proc.stderr[-2000:]

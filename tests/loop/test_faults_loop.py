@@ -20,7 +20,7 @@ import sys
 import time
 
 import pytest
-from jax_env import child_env, xla_flags
+from jax_env import child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TESTS = pathlib.Path(__file__).resolve().parents[1] / "support"
@@ -42,10 +42,9 @@ ARGS = (
 
 
 def env_for(workdir: pathlib.Path, faults: str, poison_update: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", RLJAX_TEST_FAULTS=faults, PYTHONPATH=f"{REPO}:{TESTS}")
+    env = child_env(JAX_PLATFORMS="cpu", RLJAX_TEST_FAULTS=faults, PYTHONPATH=f"{REPO}:{TESTS}")
     env["RLJAX_TEST_POISON_UPDATE"] = str(poison_update)
     env["RLJAX_TEST_HANG_MARKER"] = str(workdir / "hang_once.marker")
-    env["XLA_FLAGS"] = xla_flags()
     return env
 
 

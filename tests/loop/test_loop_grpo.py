@@ -3,22 +3,20 @@ canary, real orbax checkpoints, real TensorBoard files. Also async mode with max
 of its own: the test checks how the loop launches vLLM for the tcp transport)."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from jax_env import xla_flags
+from jax_env import child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def run_main(workdir, *overrides, config="configs/grpo.py", timeout=900):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = xla_flags()  # one CPU device, as on a laptop
+    env = child_env(JAX_PLATFORMS="cpu")  # one CPU device, as on a laptop
     cmd = [sys.executable, "-m", "rljax.main", f"--config={config}", f"--workdir={workdir}", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -22,10 +22,11 @@ import sys
 import time
 import typing
 
+import jax_env
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax_env import xla_flags
+from jax_env import child_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = str(REPO / "assets" / "tiny_arith")
@@ -74,14 +75,8 @@ def command(workdir, server, *overrides, slow_save: tuple[float, int] | None = N
 
 
 def env(server):
-    e = dict(os.environ, JAX_PLATFORMS="cpu")
-    e |= {
-        "JAX_COMPILATION_CACHE_DIR": server.jax_cache,
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
-    e["XLA_FLAGS"] = xla_flags()  # one CPU device, in every run alike
-    return e
+    # one CPU device and one compilation cache, in every run alike
+    return child_env(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=server.jax_cache, **jax_env.CACHE_ENV)
 
 
 def run_to_end(workdir, server, *overrides) -> str:

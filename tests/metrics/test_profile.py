@@ -8,7 +8,6 @@ and every rollout prompt rendered by the tokenizer's chat template (a reward tha
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from jax_env import xla_flags
+from jax_env import child_env
 
 from rljax import config as C
 from rljax.metrics.parameters import FILENAME, parameter_table, write_parameter_overview
@@ -98,8 +97,7 @@ def chat_run(arith_server, tmp_path_factory):
     ]
     data.write_text("\n".join(json.dumps(r) for r in rows))
     workdir = root / "w"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}:{TESTS}")
-    env["XLA_FLAGS"] = xla_flags()
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}:{TESTS}")
     cmd = [
         sys.executable,
         "-m",

@@ -5,7 +5,6 @@ synced weights (the loop's canary checks each sync at 1e-4)."""
 
 import dataclasses
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from jax_env import xla_flags
+from jax_env import child_env
 
 from rljax import models
 from rljax.config import Config, ConfigError, validate
@@ -114,8 +113,7 @@ def test_fused_model_trains_through_main_with_vllm(tmp_path, arith_server):
     """Three GRPO steps of the smoke job with the fused decoder: every sync passes the canary at 1e-4.
 
     On the session's tiny_arith server: the fused decoder's first push replaces whatever it served."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = xla_flags()
+    env = child_env(JAX_PLATFORMS="cpu")
     cmd = [
         sys.executable,
         "-m",

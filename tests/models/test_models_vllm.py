@@ -1,7 +1,6 @@
 """A directory written by `save_hf_checkpoint` loads in real vLLM (CPU build) and generates our tokens."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -10,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax_env import xla_flags
+from jax_env import child_env
 
 from rljax import models
 from rljax.models.tiny import build_tiny_checkpoint
@@ -53,8 +52,7 @@ def test_vllm_loads_a_saved_checkpoint_and_matches_our_greedy_decode(tmp_path):
     config, params = models.load_hf_checkpoint(src)
     out = models.save_hf_checkpoint(config, params, tmp_path / "saved", tokenizer_dir=src)
     prompts, steps = [[5, 17, 300, 42, 9], [100, 7, 7, 256]], 8
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = xla_flags()
+    env = child_env(VLLM_CPU_KVCACHE_SPACE="1", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT, str(out), json.dumps(prompts), str(steps)],
         capture_output=True,
