@@ -38,6 +38,7 @@ EXTRAS = {
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.3",
+        "pytest-xdist>=3.6",
         "chex>=0.1.89",
         "nbclient>=0.10",
         "nbformat>=5.10",

@@ -23,8 +23,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # one for this run, removed a
 
 import pytest  # noqa: E402
 
-# Session-scoped fixtures: vLLM servers shared by the rollout, sync and end-to-end tests; one Slurm cluster.
-pytest_plugins = ["vllm_server", "slurm_cluster"]
+# Shared vLLM servers and one Slurm cluster, each kept while the tests that use it run (in a row: parallel.py
+# groups and orders the tests for pytest-xdist).
+pytest_plugins = ["shared", "parallel", "vllm_server", "slurm_cluster"]
 
 
 def _has_gpu() -> bool:

@@ -5,8 +5,8 @@
 `scontrol`, `scancel`) find the cluster through `SLURM_CONF`, which `env()` sets. The recipe is the one in
 shared/notes/PLATFORM.md: no systemd, no munge (auth/none), no accounting.
 
-`slurm_cluster` (a session fixture; conftest loads this module as a plugin) is the one cluster of a test run:
-started by the first test that asks for it, stopped by PID at the end of the session, also on failure.
+`slurm_cluster` (conftest loads this module as a plugin) is the one cluster of a test run: started by the
+first test that asks for it, stopped by PID after the last one (`shared.Shared`), also on failure.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import subprocess
 import time
 
 import pytest
+from shared import Shared
 
 CONF_TEMPLATE = """\
 ClusterName=rljaxtest
@@ -176,12 +177,11 @@ class SlurmCluster:
         raise TimeoutError(f"job {job_id} still {state!r} after {timeout_s}s")
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory):
-    """The test run's single-node Slurm cluster (started once, ~5-10 s; jobs of all tests share it)."""
-    cluster = SlurmCluster(str(tmp_path_factory.mktemp("slurm")))
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+_CLUSTER = Shared("slurm_cluster", SlurmCluster.stop)
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path_factory) -> SlurmCluster:
+    """The test run's single-node Slurm cluster (~5-10 s to start; the tests that use it run one after another
+    on one worker, `parallel.py`, and share it)."""
+    return _CLUSTER.get(lambda: SlurmCluster(str(tmp_path_factory.mktemp("slurm"))).start())

@@ -1,23 +1,28 @@
-"""Session-scoped vLLM servers for the rollout and weight-sync tests (load with `pytest_plugins`).
+"""Shared vLLM servers for the rollout, weight-sync and end-to-end tests (load with `pytest_plugins`).
 
-One server per tiny model family for the whole test run (vLLM start-up costs ~25-60 s on 2 cores), each
-wrapped in a `Served`: the `RolloutEngine` plus a transformers float32 reference holding the weights the
-server currently serves. Tests that push weights go through `Served.push`, so the two never drift; a
-test that kills the server leaves it to `served_*` to restart it for the next test.
+Each is a `shared.Shared` resource: started by the first test that needs it, stopped after the last of the
+tests that run next to it (`parallel.py` puts them in a row on one worker; a vLLM start-up costs ~25-60 s
+on 2 cores).
+
+`vllm_families`: one server per tiny model family (Qwen2 tied, Llama untied), each wrapped in a `Served`:
+the `RolloutEngine` plus a transformers float32 reference holding the weights the server currently serves.
+Tests that push weights go through `Served.push`, so the two never drift; a test that kills the server
+leaves it to `served_*` to restart it for the next test.
 
 `arith_server`: one server of the default job's model (assets/tiny_arith) for the end-to-end tests that run
 `python -m rljax.main` against a server they do not own (`rollout.vllm.urls` + `rollout.vllm.token_file`:
-every run pushes its own weights first, so runs do not see each other's). It starts with the first test
-that asks for it and stops after the last one (`pytest_runtest_teardown`), not at the end of the session.
+every run pushes its own weights first, so runs do not see each other's).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+from collections.abc import Callable
 
 import numpy as np
 import pytest
+from shared import Shared
 
 from rljax.rollout import RolloutEngine, ServerOptions, StateDictWeights
 from rljax.weight_sync import SyncOptions
@@ -108,71 +113,90 @@ class Served:
 _FAMILIES = {"qwen2": {}, "llama": {"tie_word_embeddings": False}}  # qwen2 tied: vLLM's stale lm_head bug
 
 
-@pytest.fixture(scope="session")
-def _spawned_servers(request, tmp_path_factory):
-    """Spawns, at once, a server for every family the collected tests use (start-ups overlap)."""
+def _spawn_families(root: pathlib.Path, families: tuple[str, ...]) -> dict[str, Served]:
+    """A server for each family, spawned at once (their start-ups overlap), then connected."""
     from rljax.models.tiny import build_tiny_checkpoint
     from rljax.rollout import VLLMServer
 
-    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
     spawned = {}
-    for family, overrides in _FAMILIES.items():
-        if f"served_{family}" in used:
-            root = tmp_path_factory.mktemp(f"vllm_{family}")
-            path = str(build_tiny_checkpoint(root / "ckpt", family, **overrides))
-            server = VLLMServer(path, root / "workdir", options=TEST_SERVER_OPTIONS).spawn()
+    try:
+        for family in families:
+            path = str(build_tiny_checkpoint(root / family / "ckpt", family, **_FAMILIES[family]))
+            server = VLLMServer(path, root / family / "workdir", options=TEST_SERVER_OPTIONS).spawn()
             spawned[family] = (server, path)
-    yield spawned
-    for server, _ in spawned.values():
-        server.stop()
+        served = {}
+        for family, (server, path) in spawned.items():
+            server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
+            ref = TorchReference(path)
+            engine = RolloutEngine.connect(
+                [server.url], path, servers=[server], weights=StateDictWeights(ref.logprobs)
+            )
+            served[family] = Served(engine, ref, path)
+        return served
+    except BaseException:
+        for server, _ in spawned.values():
+            server.stop()
+        raise
 
 
-def _served(spawned: dict, family: str) -> Served:
-    server, path = spawned[family]
-    server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
-    ref = TorchReference(path)
-    engine = RolloutEngine.connect(
-        [server.url], path, servers=[server], weights=StateDictWeights(ref.logprobs)
-    )
-    return Served(engine, ref, path)
+def _stop_families(served: dict[str, Served]) -> None:
+    for s in served.values():
+        s.engine.close()
 
 
-@pytest.fixture(scope="session")
-def _qwen2_session(_spawned_servers):
-    served = _served(_spawned_servers, "qwen2")
-    yield served
-    served.engine.close()
-
-
-@pytest.fixture(scope="session")
-def _llama_session(_spawned_servers):
-    served = _served(_spawned_servers, "llama")
-    yield served
-    served.engine.close()
+_FAMILY_SERVERS = Shared("vllm_families", _stop_families)
 
 
 @pytest.fixture
-def served_qwen2(_qwen2_session) -> Served:
+def vllm_families(request, tmp_path_factory) -> dict[str, Served]:
+    """A server for each family the collected tests use, started together, kept while consecutive tests use
+    them."""
+    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    families = tuple(f for f in _FAMILIES if f"served_{f}" in used) or tuple(_FAMILIES)
+    return _FAMILY_SERVERS.get(lambda: _spawn_families(tmp_path_factory.mktemp("vllm_families"), families))
+
+
+@pytest.fixture
+def served_qwen2(vllm_families) -> Served:
     """The shared tiny-Qwen2 (tied) server, alive and serving `ref`'s weights."""
-    _qwen2_session.ensure_servable()
-    return _qwen2_session
+    vllm_families["qwen2"].ensure_servable()
+    return vllm_families["qwen2"]
 
 
 @pytest.fixture
-def served_llama(_llama_session) -> Served:
+def served_llama(vllm_families) -> Served:
     """The shared tiny-Llama (untied) server, alive and serving `ref`'s weights."""
-    _llama_session.ensure_servable()
-    return _llama_session
+    vllm_families["llama"].ensure_servable()
+    return vllm_families["llama"]
 
 
 ARITH_MODEL = str(pathlib.Path(__file__).resolve().parents[2] / "assets" / "tiny_arith")
 
 
-@dataclasses.dataclass(frozen=True)
+_ARITH = Shared("arith_server", lambda server: server.stop())
+
+
 class ArithServer:
-    url: str
-    token_file: str  # the server's bearer token (rollout.vllm.token_file)
-    model: str = ARITH_MODEL
+    """The tiny_arith server of the moment, started (again) by the first use after a stop: a session
+    fixture's value that module fixtures can hold, while the server itself lives only as long as the tests
+    next to each other use it (`shared.py`)."""
+
+    model = ARITH_MODEL
+
+    def __init__(self, root: Callable[[], pathlib.Path]):
+        self._root = root
+
+    def _server(self):
+        return _ARITH.get(lambda: _start_arith(self._root()))
+
+    @property
+    def url(self) -> str:
+        return self._server().url
+
+    @property
+    def token_file(self) -> str:
+        """The server's bearer token (rollout.vllm.token_file)."""
+        return str(self._server().token_file)
 
     def main_args(self) -> list[str]:
         """The `rljax.main` overrides that point a run at this server."""
@@ -183,32 +207,23 @@ class ArithServer:
         ]
 
 
-_ARITH: dict = {}  # the running arith server, for the early stop below
+def _start_arith(root: pathlib.Path):
+    from rljax.rollout import VLLMServer
+
+    server = VLLMServer(ARITH_MODEL, root, options=TEST_SERVER_OPTIONS).spawn()
+    try:
+        server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 @pytest.fixture(scope="session")
-def arith_server(tmp_path_factory):
-    """The test run's tiny_arith server (TEST_SERVER_OPTIONS), shared by the end-to-end tests."""
-    from rljax.rollout import VLLMServer
-
-    server = VLLMServer(ARITH_MODEL, tmp_path_factory.mktemp("vllm_arith"), options=TEST_SERVER_OPTIONS)
-    _ARITH["server"] = server.spawn()
-    try:
-        server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
-        yield ArithServer(server.url, str(server.token_file))
-    finally:
-        server.stop()
-        _ARITH.clear()
-
-
-def pytest_runtest_teardown(item, nextitem):
-    """Stops the arith server after the last collected test that uses it (its memory goes back early)."""
-    if "server" not in _ARITH or "arith_server" not in getattr(item, "fixturenames", ()):
-        return
-    items = item.session.items
-    later = items[items.index(item) + 1 :] if item in items else []
-    if not any("arith_server" in getattr(i, "fixturenames", ()) for i in later):
-        _ARITH["server"].stop()
+def arith_server(tmp_path_factory) -> ArithServer:
+    """A tiny_arith server (TEST_SERVER_OPTIONS) for the end-to-end tests. Each run pushes its own weights
+    first, so runs do not see each other's."""
+    return ArithServer(lambda: tmp_path_factory.mktemp("vllm_arith"))
 
 
 # vLLM's CPU kernels and transformers accumulate float32 in different orders: ~5e-6 measured.
