@@ -1,8 +1,7 @@
 """Shared vLLM servers for the rollout, weight-sync and end-to-end tests (load with `pytest_plugins`).
 
-Each is a `shared.Shared` resource: started by the first test that needs it, stopped after the last of the
-tests that run next to it (`parallel.py` puts them in a row on one worker; a vLLM start-up costs ~25-60 s
-on 2 cores).
+Each is a `shared.Shared` resource: started by the first test that needs it, stopped after the last test of
+its group (`parallel.py` runs a group in a row on one worker; a vLLM start-up costs ~25-60 s on 2 cores).
 
 `vllm_families`: one server per tiny model family (Qwen2 tied, Llama untied), each wrapped in a `Served`:
 the `RolloutEngine` plus a transformers float32 reference holding the weights the server currently serves.
@@ -149,8 +148,7 @@ _FAMILY_SERVERS = Shared("vllm_families", _stop_families)
 
 @pytest.fixture
 def vllm_families(request, tmp_path_factory) -> dict[str, Served]:
-    """A server for each family the collected tests use, started together, kept while consecutive tests use
-    them."""
+    """A server for each family the collected tests use, started together, kept while their group runs."""
     used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
     families = tuple(f for f in _FAMILIES if f"served_{f}" in used) or tuple(_FAMILIES)
     return _FAMILY_SERVERS.get(lambda: _spawn_families(tmp_path_factory.mktemp("vllm_families"), families))
@@ -178,8 +176,8 @@ _ARITH = Shared("arith_server", lambda server: server.stop())
 
 class ArithServer:
     """The tiny_arith server of the moment, started (again) by the first use after a stop: a session
-    fixture's value that module fixtures can hold, while the server itself lives only as long as the tests
-    next to each other use it (`shared.py`)."""
+    fixture's value that module fixtures can hold, while the server itself lives only while its group's
+    tests run (`shared.py`)."""
 
     model = ARITH_MODEL
 
