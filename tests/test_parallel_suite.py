@@ -7,6 +7,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 from jax_env import child_env
@@ -71,16 +72,15 @@ def test_m2(built): pass
 PLAIN = "\n".join(f"def test_p{i}(): pass" for i in range(8))
 
 
-def run_inner(tmp_path: pathlib.Path, *args: str) -> list[dict]:
+def inner_pytest(tmp_path: pathlib.Path, *args: str, extra_files=None) -> subprocess.CompletedProcess:
     suite = tmp_path / "suite"
     suite.mkdir()
     files = {"test_a.py": USERS_A, "test_b.py": USERS_B, "test_m.py": MODULE_FIXTURE, "test_plain.py": PLAIN}
-    for name, text in {"conftest.py": CONFTEST, **files}.items():
+    for name, text in {"conftest.py": CONFTEST, **files, **(extra_files or {})}.items():
         (suite / name).write_text(text)
-    log = tmp_path / "events.jsonl"
-    env = child_env(PYTHONPATH=str(SUPPORT), INNER_LOG=str(log))
+    env = child_env(PYTHONPATH=str(SUPPORT), INNER_LOG=str(tmp_path / "events.jsonl"))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "shared", "-p", "parallel"]
-    proc = subprocess.run(
+    return subprocess.run(
         [*cmd, "-c", "/dev/null", "--rootdir", str(suite), *args, str(suite)],
         cwd=suite,
         env=env,
@@ -88,8 +88,12 @@ def run_inner(tmp_path: pathlib.Path, *args: str) -> list[dict]:
         text=True,
         timeout=300,
     )
+
+
+def run_inner(tmp_path: pathlib.Path, *args: str) -> list[dict]:
+    proc = inner_pytest(tmp_path, *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return [json.loads(line) for line in log.read_text().splitlines()]
+    return [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
 
 
 USERS = {"test_a1", "test_a2", "test_b1"}
@@ -129,3 +133,18 @@ def test_auto_workers_one_more_than_the_cores_within_memory():
     assert auto_workers(2, 15.0) == 2  # memory-bound
     assert auto_workers(16, 64.0) == 10
     assert auto_workers(1, 4.0) == 1
+
+
+def test_a_worker_that_dies_fails_the_run_promptly_naming_the_test(tmp_path):
+    """pyproject's --max-worker-restart=0: with xdist's replacement worker, such a run hangs (checked)."""
+    import tomllib
+
+    pyproject = tomllib.loads((SUPPORT.parents[1] / "pyproject.toml").read_text())
+    addopts = pyproject["tool"]["pytest"]["ini_options"]["addopts"].split()
+    flag = next(a for a in addopts if a.startswith("--max-worker-restart"))
+    killer = "import os, signal\n\n\ndef test_dies(server):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    t0 = time.monotonic()
+    proc = inner_pytest(tmp_path, "-n", "2", flag, extra_files={"test_dies.py": killer})
+    assert time.monotonic() - t0 < 120
+    assert proc.returncode != 0
+    assert "crashed while running 'test_dies.py::test_dies'" in proc.stdout, proc.stdout
