@@ -1,5 +1,5 @@
 """Expensive test resources (vLLM servers, the Slurm cluster) started by the first test that needs one and
-stopped after the last test next to it that does (load with `pytest_plugins`).
+stopped after the last test of its group (load with `pytest_plugins`).
 
 A session-scoped fixture would keep a server alive until the end of the run: with two xdist workers and
 the per-test servers of other tests beside them that is more memory than a 24 GiB machine has. A
@@ -30,13 +30,11 @@ class Shared:
     def __init__(self, name: str, stop: Callable[[Any], None]):
         self.name, self._stop = name, stop
         self._value: Any = None
-        self.starts = 0  # how often it was built
         _RESOURCES[name] = self
 
     def get(self, start: Callable[[], Any]) -> Any:
         if self._value is None:
             self._value = start()
-            self.starts += 1
         return self._value
 
     def close(self) -> None:
