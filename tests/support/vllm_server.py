@@ -149,9 +149,13 @@ _FAMILY_SERVERS = Shared("vllm_families", _stop_families)
 @pytest.fixture
 def vllm_families(request, tmp_path_factory) -> dict[str, Served]:
     """A server for each family the collected tests use, started together, kept while their group runs."""
-    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
-    families = tuple(f for f in _FAMILIES if f"served_{f}" in used) or tuple(_FAMILIES)
-    return _FAMILY_SERVERS.get(lambda: _spawn_families(tmp_path_factory.mktemp("vllm_families"), families))
+
+    def start() -> dict[str, Served]:  # the collection is scanned once per start, not once per test
+        used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+        families = tuple(f for f in _FAMILIES if f"served_{f}" in used) or tuple(_FAMILIES)
+        return _spawn_families(tmp_path_factory.mktemp("vllm_families"), families)
+
+    return _FAMILY_SERVERS.get(start)
 
 
 @pytest.fixture
