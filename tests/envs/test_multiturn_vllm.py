@@ -1,8 +1,8 @@
 """Multi-turn tool use with the real CPU vLLM: token-in/token-out against a reference forward, and GRPO
 through `python -m rljax.main --config.rollout.env=calculator_math`.
 
-A random tiny model never writes a tool call, so the module first teaches one (transformers SFT, a few
-hundred steps, ~10-30 s): close the prefilled calculator call, then answer after the tool response.
+A random tiny model never writes a tool call, so the module serves one taught the calculator format by
+supervised learning, committed as `tests/assets/tiny_calculator` (tests/support/tool_model.py builds it).
 Everything after that is real: vLLM samples every model turn, the calculator runs, the loop trains.
 """
 
@@ -11,74 +11,23 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import tool_model
 from jax_env import child_env
 
 from rljax.data import make_prompt_renderer
 from rljax.envs import ENVS, generate_multi_turn_groups
-from rljax.envs.math_env import TOOL_RESPONSE, ToolMathEnv
-from rljax.envs.tools import calculator_tool
+from rljax.envs.math_env import TOOL_RESPONSE
 from rljax.sampling import Sampler, SamplingOptions
 from rljax.trajectory import build_loss_inputs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SFT_STEPS = 200
-TASK = {"num_examples": 400, "seed": 0, "max_value": 4, "ops": ("+",)}
-
-
-def _sft_rows(tok, ex) -> tuple[list[int], list[int]]:
-    env = ToolMathEnv()
-    segments = [
-        (env.reset(ex), False),
-        ('"}}</tool_call>', True),
-        (TOOL_RESPONSE.format(output=calculator_tool({"expression": ex["expr"]})), False),
-        (f" {ex['answer']}<|im_end|>", True),
-    ]
-    ids, labels = [], []
-    for text, train in segments:
-        t = tok(text, add_special_tokens=False)["input_ids"]
-        ids += t
-        labels += t if train else [-100] * len(t)
-    return ids, labels
-
-
-def build_tool_model(out: str, steps: int = SFT_STEPS) -> str:
-    """A tiny Qwen2 taught the calculator_math format by supervised learning (labels on model turns)."""
-    import torch
-    import transformers
-
-    from rljax.data import make_source
-    from rljax.models.tiny import build_tokenizer, tiny_hf_config
-
-    torch.manual_seed(0)
-    rng = random.Random(0)
-    config = tiny_hf_config("qwen2", eos_token_id=build_tokenizer(out).eos_token_id)
-    config.save_pretrained(out)
-    tok = transformers.AutoTokenizer.from_pretrained(out)  # as vLLM and the loop load it
-    data = [_sft_rows(tok, ex) for ex in make_source("arithmetic", **TASK)]
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
-    for _ in range(steps):
-        batch = rng.sample(data, 16)
-        width = max(len(i) for i, _ in batch)
-        ids = torch.zeros(16, width, dtype=torch.long)
-        labels = torch.full((16, width), -100, dtype=torch.long)
-        attn = torch.zeros(16, width, dtype=torch.long)
-        for k, (i, lab) in enumerate(batch):
-            ids[k, : len(i)], labels[k, : len(i)], attn[k, : len(i)] = torch.tensor(i), torch.tensor(lab), 1
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +35,7 @@ def served(tmp_path_factory):
     from rljax.rollout import RolloutEngine, ServerOptions
 
     root = tmp_path_factory.mktemp("multiturn")
-    path = build_tool_model(str(root / "model"))
+    path = str(tool_model.ASSET)
     options = ServerOptions(
         gpu_memory_utilization=0.08, kvcache_space_gib=1, max_model_len=512, startup_timeout_s=300.0
     )
@@ -158,7 +107,8 @@ def test_grpo_main_multi_turn_calculator(served, tmp_path):
         f"--config.rollout.vllm.urls=('{url}',)",
         f"--config.rollout.vllm.token_file={served.engine.servers[0].token_file}",
         "--config.trainer.eval_every=0",
-        "--config.data.source_options=(('num_examples', 400), ('max_value', 4), ('ops', ('+',)))",  # = TASK
+        # the prompts the model was taught on (tool_model.TASK)
+        "--config.data.source_options=(('num_examples', 400), ('max_value', 4), ('ops', ('+',)))",
         f"--workdir={tmp_path}",
     ]
     env = child_env()
