@@ -110,7 +110,7 @@ def test_rollout_nodes_split_urls_and_server_command(tmp_path):
     assert "coordinator gpu01:" in proc.stderr and os.path.isdir(workdir / "logs")
     # The server itself, as `rljax.rollout.serve` execs it on gpu04:
     ((env, argv),) = served_commands(proc.stdout)
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[1:4] == ["-P", "-m", "vllm.entrypoints.openai.api_server"]  # -P: not importing from its cwd
     assert flag(argv, "--model") == "/models/m"
     assert flag(argv, "--host") == "10.1.0.4" and flag(argv, "--port") == "8000"  # the private address only
     assert json.loads(flag(argv, "--weight-transfer-config")) == {"backend": "tcp"}

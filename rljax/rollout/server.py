@@ -112,6 +112,9 @@ def server_command(model_path: str, host: str, port: int, options: ServerOptions
     """The argv that starts vLLM's OpenAI server for `model_path` on `host:port`."""
     cmd = [
         sys.executable,
+        # -P: the working directory is not on the server's import path (the trainer's may be a checkout,
+        # whose top-level `kernels/` shadows Hugging Face's `kernels` and pulls JAX into each vLLM process)
+        "-P",
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",

@@ -86,6 +86,22 @@ def test_server_command_and_env():
     assert "XLA_FLAGS" not in env
 
 
+def test_server_does_not_import_from_its_working_directory():
+    """Started from a checkout, the server must not find the checkout's top-level `kernels/` (it shadows
+    Hugging Face's `kernels`, which transformers imports inside vLLM, and pulls in JAX) or any other module
+    lying in the trainer's working directory."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = server_command("/m", "127.0.0.1", 1, ServerOptions())
+    interpreter = cmd[: cmd.index("-m")]  # the interpreter and its flags, without the module to run
+    probe = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else 'none')"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a run from a copy may set it
+    run = dict(cwd=repo, env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([*interpreter, "-c", probe], **run)
+    assert not out.stdout.strip().startswith(os.path.join(repo, "kernels")), out.stdout
+    plain = subprocess.run([sys.executable, "-c", probe], **run)
+    assert plain.stdout.strip().startswith(os.path.join(repo, "kernels"))  # what -P keeps out
+
+
 def test_gate_sync_waits_for_in_flight_generation():
     gate, events = PolicyGate(3), []
 
