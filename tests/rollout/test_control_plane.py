@@ -279,7 +279,10 @@ def test_sigkilled_trainer_leaves_no_server_process_and_no_bucket_file(tmp_path)
         "--config.trainer.steps=1000",
         "--config.rollout.vllm.gpu_memory_utilization=0.08",
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    # vLLM's default process layout (conftest runs the suite's engines in one process): API server, engine
+    # core and its model worker, so the clean-up covers a worker that is not the API server's child.
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     pattern = os.path.join(staging.DEFAULT_STAGING_DIR, f"{staging.RUN_PREFIX}{proc.pid}-*", "bucket-*")
     try:
         deadline = time.monotonic() + 600
@@ -288,7 +291,7 @@ def test_sigkilled_trainer_leaves_no_server_process_and_no_bucket_file(tmp_path)
             assert time.monotonic() < deadline, "no weight sync within 600 s"
             time.sleep(0.002)
         tree = _process_tree(proc.pid)
-        assert len(tree) >= 3  # the trainer, the vLLM API server, its engine core (and the reaper)
+        assert len(tree) >= 4, tree  # the trainer, the vLLM API server, its engine core, the worker
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     finally:
