@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 
-import jax_env
 import numpy as np
 import pytest
 from jax_env import child_env
@@ -23,10 +22,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def env(workdir):
-    """One CPU device (the layout the run used); the run and the replays share compiled programs in their
-    own cache (the same programs give the same bits)."""
-    cache = f"{workdir}.jax_cache"
-    return child_env(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache, **jax_env.CACHE_ENV)
+    """One CPU device (the layout the run used); the run and the replays share compiled programs through
+    the test run's compilation cache (conftest; the same programs give the same bits)."""
+    return child_env(JAX_PLATFORMS="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ PID at the end, also on failure. The job runs
 2 tasks with RLJAX_PLATFORM=cpu, one simulated CPU device each. The self-test entry (launch/selftest.py)
 checks the launch path itself: both ranks join one JAX job, preflight runs on all tasks, a USR1 to the
 batch script makes the job save, requeue and resume. The `rljax.main` tests run the real training loop
-on the smoke config and are skipped only while that loop cannot be imported in this build.
+on the smoke config.
 """
 
 from __future__ import annotations
@@ -161,19 +161,6 @@ def test_selftest_preempted_saves_requeues_and_resumes(cluster, tiny_model, tmp_
     assert json.load(open(workdir / "selftest_checkpoint.json")) == {"step": 8}
 
 
-def require_training_loop() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", "import rljax.loop.train"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if proc.returncode:
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        pytest.skip(f"pending: the training loop does not import in this build yet ({last})")
-
-
 def metric_steps(workdir) -> list[int]:
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
@@ -188,7 +175,6 @@ def checkpoint_steps(workdir) -> list[int]:
 
 
 def test_grpo_smoke_two_tasks(cluster, tiny_model, tmp_path):
-    require_training_loop()
     workdir = tmp_path / "run"
     job = submit(cluster, workdir, smoke_args(workdir, tiny_model))
     state = cluster.wait_job(job, timeout_s=240)
@@ -202,7 +188,6 @@ def test_grpo_smoke_two_tasks(cluster, tiny_model, tmp_path):
 def test_grpo_preempted_resumes_from_saved_step(cluster, arith_server, tmp_path):
     """Rollouts from the test run's tiny_arith server (`rollout.vllm.urls`), so neither start of the job
     spends ~30 s starting its own server; test_grpo_smoke_two_tasks covers the job that owns its server."""
-    require_training_loop()
     workdir = tmp_path / "run"
     args = [
         "--config=configs/grpo.py:smoke",
@@ -235,7 +220,6 @@ def test_grpo_with_a_rollout_node_step_syncs_over_tcp(cluster, tiny_model, tmp_p
     one node, so RLJAX_ROLLOUT_SHARE_NODES=1), bound to the node's Slurm NodeAddr (127.0.0.1 here), with the
     job's token; the 2-process trainer connects by URL and pushes every version over tcp, each process
     serving its own shards."""
-    require_training_loop()
     workdir = tmp_path / "run"
     args = smoke_args(workdir, tiny_model, "--config.trainer.steps=2", "--config.checkpoint.every_steps=100")
     with socket.socket() as s:

@@ -7,10 +7,10 @@ killed after step 3 while the save of step 4 is in flight (held open by tests/su
 run's entry script) with metrics written past the last complete checkpoint (3), resumed from 3, killed again
 right after checkpoint 5 is complete, resumed again. Async mode (max_staleness=1): killed after step 4 with
 checkpoints every 3 steps; the buffered, already generated batch comes back from the checkpoint. The runs
-share a JAX compilation cache (it only saves compile time: same program, same bits). Async caveat: which
-policy version generates each batch depends on the producer thread reaching the rollout gate before the
-trainer's next weight sync (always so here: generation starts well inside the update); the test checks the
-tags it relies on.
+share the test run's JAX compilation cache (it only saves compile time: same program, same bits). Async
+caveat: which policy version generates each batch depends on the producer thread reaching the rollout gate
+before the trainer's next weight sync (always so here: generation starts well inside the update); the test
+checks the tags it relies on.
 """
 
 import json
@@ -22,7 +22,6 @@ import sys
 import time
 import typing
 
-import jax_env
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -36,15 +35,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 class Server(typing.NamedTuple):
     url: str
-    jax_cache: str  # a persistent compilation cache shared by this module's runs (same programs, same bits)
     token_file: str  # the server's bearer token (rollout.vllm.token_file)
 
 
 @pytest.fixture(scope="module")
-def server(arith_server, tmp_path_factory):
-    """The session's tiny_arith server (tests/support/vllm_server.py) and this module's compilation cache."""
-    cache = tmp_path_factory.mktemp("resume_jax_cache")
-    return Server(arith_server.url, str(cache), arith_server.token_file)
+def server(arith_server):
+    """The session's tiny_arith server (tests/support/vllm_server.py)."""
+    return Server(arith_server.url, arith_server.token_file)
 
 
 SUPPORT = pathlib.Path(__file__).resolve().parents[1] / "support"
@@ -75,8 +72,8 @@ def command(workdir, server, *overrides, slow_save: tuple[float, int] | None = N
 
 
 def env(server):
-    # one CPU device and one compilation cache, in every run alike
-    return child_env(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=server.jax_cache, **jax_env.CACHE_ENV)
+    # one CPU device in every run alike; the test run's compilation cache (conftest: same program, same bits)
+    return child_env(JAX_PLATFORMS="cpu")
 
 
 def run_to_end(workdir, server, *overrides) -> str:
