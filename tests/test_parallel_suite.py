@@ -1,7 +1,8 @@
 """The suite's parallel layout (tests/support/shared.py, tests/support/parallel.py), on an inner test suite
 run by a real pytest: a shared resource starts once per run and stops after its last user, whether the
 suite runs serially or on two xdist workers; the users of a resource, and the tests of a module with a
-module-scoped fixture, run in a row on one worker; expensive groups are handed out first."""
+module-scoped fixture, run in a row on one worker; expensive groups are handed out first; a per-worker
+resource's users go out first, over the workers, each worker starting it once."""
 
 import json
 import pathlib
@@ -37,6 +38,15 @@ def server():
         return "srv"
     return SERVER.get(start)
 
+PER = Shared("per", lambda value: log(event="stop_per"), per_worker=True)
+
+@pytest.fixture
+def per():
+    def start():
+        log(event="start_per")
+        return "per"
+    return PER.get(start)
+
 @pytest.fixture(autouse=True)
 def _record(request):
     yield
@@ -70,6 +80,15 @@ def test_m2(built): pass
 """
 
 PLAIN = "\n".join(f"def test_p{i}(): pass" for i in range(8))
+
+# Users of a per-worker resource: two single tests and a module-fixture group with one user in it.
+PER_USERS = {
+    "test_w1.py": "def test_w1a(per): pass\ndef test_w1b(per): pass\n",
+    "test_w2.py": (
+        "import pytest\n\n@pytest.fixture(scope='module')\ndef built():\n    return object()\n\n"
+        "def test_w2a(built): pass\ndef test_w2b(built, per): pass\n"
+    ),
+}
 
 
 def inner_pytest(tmp_path: pathlib.Path, *args: str, extra_files=None) -> subprocess.CompletedProcess:
@@ -117,6 +136,26 @@ def test_a_shared_resource_starts_once_and_its_users_run_in_a_row_on_one_worker(
     assert set(between) == USERS and len(between) == 3, on_worker
     module_tests = [e for e in tests if e["test"] in ("test_m1", "test_m2")]
     assert len({e["worker"] for e in module_tests}) == 1  # the module fixture was built on one worker
+
+
+def test_a_per_worker_resource_splits_its_users_over_the_workers_each_starting_it_once(tmp_path):
+    proc = inner_pytest(tmp_path, "-n", "2", extra_files=PER_USERS)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    per_groups = {"test_w1a", "test_w1b", "test_w2a", "test_w2b"}  # three groups (w2's tests share one)
+    workers = {e["worker"] for e in events if e["event"] == "test" and e["test"] in per_groups}
+    assert len(workers) == 2, events  # not one worker running them all in a row
+    for worker in workers:
+        mine = [e for e in events if e["worker"] == worker]
+        assert [e["event"] for e in mine].count("start_per") == 1, mine  # once per worker
+        tests = [e["test"] for e in mine if e["event"] == "test"]
+        # handed out first: the worker's users of the resource (and their group mates) before anything else
+        n = len([t for t in tests if t in per_groups])
+        assert set(tests[:n]) <= per_groups and not per_groups & set(tests[n:]), tests
+        stop = [e["event"] for e in mine].index("stop_per")
+        assert not per_groups & {e["test"] for e in mine[stop:] if e["event"] == "test"}  # stopped after them
+    # the ordinary resource is unaffected: started once, on one worker
+    assert [e["event"] for e in events].count("start") == 1
 
 
 def test_the_costliest_group_runs_first_serially(tmp_path):

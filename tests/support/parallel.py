@@ -3,13 +3,16 @@ of our own, `GroupScheduling`.
 
 Groups. Every test gets one:
 - tests that share something expensive belong together: a resource of `shared.py` (the two vLLM family
-  servers, the tiny_arith server, the Slurm cluster) or a module-, class- or package-scoped fixture.
-  Connected through either, they form one group (the Slurm launch tests use the cluster and the arith
-  server, so they join the other arith users), which one worker runs in a row: each resource starts once.
+  servers, the Slurm cluster) or a module-, class- or package-scoped fixture. Connected through either,
+  they form one group, which one worker runs in a row: each resource starts once.
+- a per-worker resource (`Shared(..., per_worker=True)`: the tiny_arith server) joins nothing: its users
+  (the fault suite, the resume, replay and default-job runs, a Slurm job) took 1,160 s in a row on one
+  worker, most of the suite's wall time. Their groups go out first instead, so each worker runs the ones it
+  gets in a row and starts its own copy once (at most one per worker: two extra vLLM start-ups on 3).
 - any other test is a group of its own.
-Order: groups by their estimated cost, largest first (a longest-processing-time schedule: the big ones start
-at once on different workers, the small ones fill the gaps at the end); a group keeps its tests in
-collection order. A serial run (`-n 0`) gets the same order.
+Order: the groups of per-worker resource users first, then the rest; each by estimated cost, largest first
+(a longest-processing-time schedule: the big ones start at once on different workers, the small ones fill
+the gaps at the end); a group keeps its tests in collection order. A serial run (`-n 0`) gets the same order.
 
 xdist's own `--dist loadgroup` cannot carry this: it tags the groups onto node ids, which pytest 9.2 no
 longer lets a plugin rewrite. So the workers, which collect, write the groups to a file that the controller
@@ -42,7 +45,7 @@ GROUPS_DIR = "RLJAX_TEST_GROUPS_DIR"
 def _keys(item) -> list[str]:
     """What `item` shares with other tests: resources by fixture name, modules by path."""
     fixturedefs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    keys = [f"resource:{name}" for name in resource_names() if name in item.fixturenames]
+    keys = [f"resource:{name}" for name in resource_names(per_worker=False) if name in item.fixturenames]
     if any(d.scope in WIDE_SCOPES for defs in fixturedefs.values() for d in defs):
         keys.append(f"module:{item.nodeid.split('::')[0]}")
     return keys
@@ -88,15 +91,21 @@ def pytest_unconfigure(config):
 @pytest.hookimpl(trylast=True)  # after every other hook has chosen the tests and their marks
 def pytest_collection_modifyitems(config, items):
     groups = groups_of(items)
+    per_worker = set(resource_names(per_worker=True))
     cost: dict[str, float] = {}
     first: dict[str, int] = {}
+    early: set[str] = set()  # groups with a user of a per-worker resource
     for i, (item, group) in enumerate(zip(items, groups, strict=True)):
         item.stash[GROUP] = group
         cost[group] = cost.get(group, 0.0) + _cost(item)
         first.setdefault(group, i)
+        if per_worker & set(item.fixturenames):
+            early.add(group)
     for group in cost:
         cost[group] += RESOURCE_START_S * group.count("resource:")
-    order = sorted(range(len(items)), key=lambda i: (-cost[groups[i]], first[groups[i]], i))
+    order = sorted(
+        range(len(items)), key=lambda i: (groups[i] not in early, -cost[groups[i]], first[groups[i]], i)
+    )
     items[:] = [items[i] for i in order]
     worker = getattr(config, "workerinput", {}).get("workerid")
     if worker and os.environ.get(GROUPS_DIR):

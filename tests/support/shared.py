@@ -8,6 +8,12 @@ puts all the users of one resource in one group, which runs in a row on one work
 once per run. A test that needs a resource again later (another order, a single test) gets a fresh one:
 correct, only slower.
 
+`Shared(name, stop, per_worker=True)`: a resource cheap enough to start once per worker, whose users take
+so long together that one worker running them all would set the suite's wall time (the tiny_arith server:
+the fault suite, the resume and replay runs, the Slurm jobs...). Its users are not joined into one group;
+`parallel.py` hands their groups out first, so each worker runs the ones it gets in a row and starts its
+own copy at most once.
+
 A resource is declared at import (`Shared(name, stop)`: `parallel.py` reads the names at collection) and
 exposed by a fixture of the same name that calls `Shared.get(start)` (a session fixture may return a handle
 that calls it on use, as `vllm_server.ArithServer` does).
@@ -27,8 +33,8 @@ GROUP = pytest.StashKey[str]()  # an item's group (parallel.py): its resources o
 class Shared:
     """A value built by `get(start)` when there is none, released by `stop(value)` after its last user."""
 
-    def __init__(self, name: str, stop: Callable[[Any], None]):
-        self.name, self._stop = name, stop
+    def __init__(self, name: str, stop: Callable[[Any], None], *, per_worker: bool = False):
+        self.name, self._stop, self.per_worker = name, stop, per_worker
         self._value: Any = None
         _RESOURCES[name] = self
 
@@ -43,8 +49,9 @@ class Shared:
             self._stop(value)
 
 
-def resource_names() -> tuple[str, ...]:
-    return tuple(_RESOURCES)
+def resource_names(*, per_worker: bool | None = None) -> tuple[str, ...]:
+    """The resources' fixture names: all, or those with (True) or without (False) a copy per worker."""
+    return tuple(n for n, r in _RESOURCES.items() if per_worker is None or r.per_worker == per_worker)
 
 
 @pytest.hookimpl(trylast=True)

@@ -8,9 +8,10 @@ the `RolloutEngine` plus a transformers float32 reference holding the weights th
 Tests that push weights go through `Served.push`, so the two never drift; a test that kills the server
 leaves it to `served_*` to restart it for the next test.
 
-`arith_server`: one server of the default job's model (assets/tiny_arith) for the end-to-end tests that run
+`arith_server`: a server of the default job's model (assets/tiny_arith) for the end-to-end tests that run
 `python -m rljax.main` against a server they do not own (`rollout.vllm.urls` + `rollout.vllm.token_file`:
-every run pushes its own weights first, so runs do not see each other's).
+every run pushes its own weights first, so runs do not see each other's). One per xdist worker that runs
+such tests (`per_worker`): their groups are handed out first, so each worker starts it once.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ def served_llama(vllm_families) -> Served:
 ARITH_MODEL = str(pathlib.Path(__file__).resolve().parents[2] / "assets" / "tiny_arith")
 
 
-_ARITH = Shared("arith_server", lambda server: server.stop())
+# One per worker (shared.py): its users are the longest tests of the suite; in one row they set its wall time.
+_ARITH = Shared("arith_server", lambda server: server.stop(), per_worker=True)
 
 
 class ArithServer:
