@@ -16,15 +16,15 @@ import random
 import shutil
 from pathlib import Path
 
+from rljax.envs.math_env import TOOL_RESPONSE, ToolMathEnv
+from rljax.envs.tools import calculator_tool
+
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "tiny_calculator"
 SFT_STEPS = 200
 TASK = {"num_examples": 400, "seed": 0, "max_value": 4, "ops": ("+",)}  # the tests' prompts
 
 
 def _sft_rows(tok, ex) -> tuple[list[int], list[int]]:
-    from rljax.envs.math_env import TOOL_RESPONSE, ToolMathEnv
-    from rljax.envs.tools import calculator_tool
-
     env = ToolMathEnv()
     segments = [
         (env.reset(ex), False),
