@@ -17,6 +17,12 @@ _ours = {f.split("=")[0] for f in jax_env.xla_flags(8).split()}
 _kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in _ours]
 os.environ["XLA_FLAGS"] = " ".join([*_kept, jax_env.xla_flags(8)])
 os.environ.update(jax_env.CACHE_ENV)
+# Bytecode is written and reused: with PYTHONDONTWRITEBYTECODE set (as on these machines) each of the run's
+# ~100 Python processes that import rljax (workers, `rljax.main` runs, notebook kernels, multi-process
+# workers) would compile its 20k lines from source again (~0.8 CPU-s each: `import rljax.main,
+# rljax.loop.train` 3.1 vs 2.4 CPU-s).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 # Every vLLM engine the suite starts (servers, offline `LLM`s, in the test process or any child, Slurm jobs
 # included: they inherit this environment) runs its model worker inside the engine-core process, vLLM's own
 # switch for that. On the CPU build a server is then two interpreters, not three: ~10 CPU-s and ~10 s less
