@@ -4,14 +4,15 @@ half the model, together exactly all of it), process 0 pushes every process's bu
 (shm, then tcp, where each process serves its own buckets from its own bucket server and sends about
 half the bytes), the worker assembles the slices, the canary (the sharded log-prob function on the
 mesh) agrees to 1e-4 in float32, and the served log-probs match a transformers reference on the pushed
-weights. The sync path's jitted code (the on-device cast) has no collective in its compiled HLO."""
+weights. The sync path's jitted code (the on-device cast) has no collective in its compiled HLO.
+The server is the run's shared tiny-Qwen2 one (`served_qwen2`), given its reference weights back after."""
 
 import os
 
 import mp_trainer_common as C
 import numpy as np
 import pytest
-from vllm_server import PROBE_COMPLETION, PROBE_PROMPT, TEST_SERVER_OPTIONS, TOL, TorchReference
+from vllm_server import PROBE_COMPLETION, PROBE_PROMPT, TOL, TorchReference
 
 WORKER = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "mp_sync_worker.py"
@@ -22,16 +23,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess]
 
 
 @pytest.mark.timeout(TIMEOUT_S + 400)
-def test_two_processes_each_stage_their_own_shards_and_the_server_serves_them(tmp_path):
-    from rljax.rollout import VLLMServer
+def test_two_processes_each_stage_their_own_shards_and_the_server_serves_them(served_qwen2, tmp_path):
     from rljax.rollout.auth import bearer_headers
     from rljax.rollout.server import served_model_name
     from rljax.weight_sync.canary import server_prompt_logprobs
 
-    ckpt = C.build_checkpoint(str(tmp_path / "ckpt"))
-    server = VLLMServer(ckpt, tmp_path / "vllm", options=TEST_SERVER_OPTIONS).spawn()
+    ckpt, server = served_qwen2.path, served_qwen2.server
     try:
-        server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
         args = [ckpt, server.url, str(server.token_file), str(tmp_path)]
         C.run_two_processes(WORKER, args, tmp_path, TIMEOUT_S)
         out, out1 = C.load_pickle(str(tmp_path / "result.pkl")), C.load_pickle(str(tmp_path / "result1.pkl"))
@@ -62,5 +60,5 @@ def test_two_processes_each_stage_their_own_shards_and_the_server_serves_them(tm
         # with restarts allowed each process keeps exactly its last push's buckets (for a re-push)
         for o in (out, out1):
             assert o["leftover"] == o["kept"] and o["kept"], o
-    finally:
-        server.stop()
+    finally:  # the next test of the shared server expects the reference weights at the engine's version
+        served_qwen2.engine.push_weights(served_qwen2.ref.state().items(), served_qwen2.engine.version)
