@@ -54,8 +54,10 @@ class ZmqBucketServer:
     """Serves staged bucket files (by index) to the worker key issued in `address()`; one thread.
 
     `bytes_sent` and `chunks_sent` count payload sent (all peers), `refused` CURVE handshakes refused,
-    `dropped` replies dropped at a full peer queue. `fault` (tests only): `("stall", n)` stops replying once
-    `n` payload bytes were sent, as a trainer that hangs would (a dead one: `close()`).
+    `dropped` replies dropped at a full peer queue. A send and its count are one step under a lock that the
+    counters' readers take too: a peer holding a chunk never reads a count without it. `fault` (tests
+    only): `("stall", n)` stops replying once `n` payload bytes were sent, as a trainer that hangs would (a
+    dead one: `close()`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 30.0):
@@ -63,7 +65,8 @@ class ZmqBucketServer:
         self.id = secrets.token_hex(8)
         self.server_public, server_secret = zmq.curve_keypair()
         self.client_public, self.client_secret = zmq.curve_keypair()
-        self.bytes_sent = self.chunks_sent = self.refused = self.dropped = 0
+        self._bytes_sent = self._chunks_sent = self._dropped = self.refused = 0
+        self._counts = threading.Lock()
         self.fault: tuple[str, int] | None = None
         self._paths: dict[int, str] = {}
         self._maps: dict[int, mmap.mmap | None] = {}
@@ -93,6 +96,21 @@ class ZmqBucketServer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True, name="rljax-ws-zmq")
         self._thread.start()
+
+    @property
+    def bytes_sent(self) -> int:
+        with self._counts:
+            return self._bytes_sent
+
+    @property
+    def chunks_sent(self) -> int:
+        with self._counts:
+            return self._chunks_sent
+
+    @property
+    def dropped(self) -> int:
+        with self._counts:
+            return self._dropped
 
     def add(self, index: int, path: str) -> None:
         with self._lock:
@@ -169,23 +187,26 @@ class ZmqBucketServer:
             return  # stalled: never answers
         head = json.dumps({"bucket": index, "offset": offset, "nbytes": total}).encode()
         chunk = memoryview(buf)[offset : offset + size] if size else b""
-        if self._send(peer, [head, chunk]):
-            self.bytes_sent += size
-            self.chunks_sent += 1
+        if self._send(peer, [head, chunk], payload=size):
             if offset + size == total:
                 with self._sent:
                     self._sent_count += 1
                     self._sent.notify_all()
 
-    def _send(self, peer: bytes, frames: list) -> bool:
-        try:
-            self._sock.send_multipart([peer, *frames], copy=False, flags=zmq.DONTWAIT)
+    def _send(self, peer: bytes, frames: list, payload: int | None = None) -> bool:
+        """Sends without blocking; counts `payload` bytes as one chunk sent when it went."""
+        with self._counts:
+            try:
+                self._sock.send_multipart([peer, *frames], copy=False, flags=zmq.DONTWAIT)
+            except zmq.Again:  # the peer's queue is at its HWM: it asked for more than its window
+                self._dropped += 1
+                return False
+            except zmq.ZMQError:  # the peer is gone (EHOSTUNREACH)
+                return False
+            if payload is not None:
+                self._bytes_sent += payload
+                self._chunks_sent += 1
             return True
-        except zmq.Again:  # the peer's queue is at its HWM: it asked for more than its window
-            self.dropped += 1
-        except zmq.ZMQError:  # the peer is gone (EHOSTUNREACH)
-            pass
-        return False
 
     def _map(self, index: int):
         """The bucket file's mapping (None when empty), False for an unknown bucket."""
