@@ -4,9 +4,11 @@ Nothing in `rljax/` knows about it. `install(plan)` wraps `RolloutEngine`'s meth
 fault suite's `fault_main.py` does it before `rljax.main.run`):
 
 - `kill_server_mid_generate:N` SIGKILLs the servers once the N-th `generate` call's first attempt has
-  requests running or waiting (vLLM `/metrics`); if that attempt ends first, the fault moves on to the
-  next call. A killed attempt fails with `RolloutError` even when its last request was answered just
-  before the kill landed, so the engine's recovery (restart, re-push, resubmit) always runs.
+  requests running or waiting (vLLM `/metrics`), or at the latest when its first answer reaches the
+  client (before the client sees it: a generation that ends between two scrapes of the gauge is still
+  killed, so the fault always lands on call N). A killed attempt fails with `RolloutError` even when its
+  last request was answered just before the kill landed, so the engine's recovery (restart, re-push,
+  resubmit) always runs.
 - `kill_server_mid_sync:N` SIGKILLs them halfway through the tensors of the N-th weight push's first
   attempt: a `push_weights` call, or an async-mode `start_push` delivered in the background (both go
   through `RolloutEngine._push_snapshot`, on whichever thread delivers the push).
@@ -26,7 +28,7 @@ from collections.abc import Iterator
 import requests
 
 from rljax.rollout.auth import bearer_headers
-from rljax.rollout.client import RolloutError
+from rljax.rollout.client import RolloutClient, RolloutError
 from rljax.rollout.engine import RolloutEngine
 
 log = logging.getLogger("rljax.test_faults")
@@ -64,8 +66,19 @@ class FaultPlan:
 
 def kill_when_running(servers, done: threading.Event) -> dict:
     """Starts a thread that SIGKILLs `servers` once the first has requests running or waiting (vLLM
-    `/metrics`), unless `done` is set first; the returned dict gets `killed: True` when it did."""
+    `/metrics`), unless `done` is set first; the returned dict gets `killed: True` when it did, and its
+    `kill(why)` kills them now (once, from any thread, not after `done`)."""
     result = {"killed": False}
+    lock = threading.Lock()
+
+    def kill(why: str) -> None:
+        with lock:
+            if result["killed"] or done.is_set():
+                return
+            log.warning("test faults: killing the rollout server mid-generation (%s)", why)
+            for s in servers:
+                s.kill()
+            result["killed"] = True
 
     def run() -> None:
         while not done.is_set():
@@ -75,14 +88,11 @@ def kill_when_running(servers, done: threading.Event) -> dict:
             except requests.RequestException:
                 text = ""
             pattern = r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+]+)$"
-            if any(float(v) > 0 for v in re.findall(pattern, text, re.M)) and not done.is_set():
-                log.warning("test faults: killing the rollout server mid-generation")
-                for s in servers:
-                    s.kill()
-                result["killed"] = True
-                return
+            if any(float(v) > 0 for v in re.findall(pattern, text, re.M)):
+                return kill("requests running or waiting")
             time.sleep(0.002)
 
+    result["kill"] = kill
     result["thread"] = threading.Thread(target=run, name="rljax-fault-kill", daemon=True)
     result["thread"].start()
     return result
@@ -117,8 +127,12 @@ def install(plan: FaultPlan) -> None:
     their one-attempt methods (inject the armed fault) for the rest of this process. A push is counted
     where it is delivered, so a background push arms the thread that makes its attempts."""
     armed = threading.local()
+    killing: list[
+        dict
+    ] = []  # the killer of the generate attempt in flight (the client's loop thread sees it)
     generate, push = RolloutEngine.generate, RolloutEngine._push_snapshot
     generate_attempt, push_attempt = RolloutEngine._generate_attempt, RolloutEngine._push_attempt
+    post = RolloutClient._post
 
     def counted(method, op):
         def wrapper(self, *args, **kwargs):
@@ -133,9 +147,11 @@ def install(plan: FaultPlan) -> None:
             return generate_attempt(self, prompts, sampling)
         done = threading.Event()
         killer = kill_when_running(self.servers, done)
+        killing.append(killer)
         try:
             out = generate_attempt(self, prompts, sampling)
         finally:
+            killing.remove(killer)
             done.set()
             killer["thread"].join()
             if not killer["killed"]:
@@ -150,6 +166,13 @@ def install(plan: FaultPlan) -> None:
             snapshot = KillingSnapshot(snapshot, self.servers)
         return push_attempt(self, snapshot, version)
 
+    async def post_then_kill(session, url, body):
+        data = await post(session, url, body)
+        for killer in list(killing):
+            killer["kill"]("its first answer came back")
+        return data
+
+    RolloutClient._post = staticmethod(post_then_kill)
     RolloutEngine.generate = counted(generate, "generate")
     RolloutEngine._push_snapshot = counted(push, "push")
     RolloutEngine._generate_attempt = faulty_generate_attempt
