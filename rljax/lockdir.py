@@ -4,8 +4,9 @@ A process that owns a run directory holds an exclusive `flock` on `<dir>/.lock` 
 drops the lock with the process's file descriptors, even after a SIGKILL. A sweep removes only directories
 whose lock it can take, so a live owner's directory is never touched, whatever PID namespace it runs in
 (PIDs are reused and differ across namespaces; the PID in a name is only a label).
-Used by the weight-sync bucket directories (`rljax.weight_sync.staging`) and the reward workers' temp
-directories (`rljax.rewards._workdirs`). Standard library only.
+Used by the weight-sync bucket directories (`rljax.weight_sync.staging`), the vLLM servers' temp
+directories (`rljax.rollout.server`) and the reward workers' temp directories (`rljax.rewards._workdirs`).
+Standard library only.
 """
 
 from __future__ import annotations
@@ -13,10 +14,24 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import uuid
 
 LOCK_NAME = ".lock"
+# Runs in a child of the owner (`python -I -S -c`): waits for the owner to exit (stdin reaches EOF, even
+# after a SIGKILL), then removes the directory once its lock is free (a live owner still holds it).
+_REAPER = """
+import fcntl, os, shutil, sys
+sys.stdin.buffer.read()
+try:
+    fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_RDWR | os.O_NOFOLLOW)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+except OSError:
+    sys.exit(0)
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
 
 
 def try_lock(path: str | os.PathLike) -> int | None:
@@ -67,3 +82,36 @@ def sweep_unlocked(root: str | os.PathLike, prefix: str) -> list[str]:
         os.close(fd)
         removed.append(path)
     return removed
+
+
+class ReapedDir:
+    """A private locked directory `<root>/<prefix><pid>-<random>` (mode `mode`), removed on `close()`.
+
+    A SIGKILL of its owner skips every clean-up, so a small reaper process (started here, in its own session)
+    removes the directory as soon as the owner is gone; `sweep_unlocked` by a later owner covers a reaper
+    that died too.
+    """
+
+    def __init__(self, root: str | os.PathLike, prefix: str, mode: int = 0o700):
+        os.makedirs(root, exist_ok=True)
+        self.path, self._lock_fd = make_locked_dir(root, prefix, mode)
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _REAPER, self.path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # outlives a kill of the owner's process group
+        )
+
+    def close(self) -> None:
+        """Removes the directory and everything in it, releases the lock, ends the reaper."""
+        if self._lock_fd is None:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+        self._reaper.stdin.close()  # EOF: the reaper finds nothing left and exits
+        try:
+            self._reaper.wait(5)
+        except subprocess.TimeoutExpired:
+            self._reaper.kill()

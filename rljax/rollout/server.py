@@ -14,6 +14,9 @@ process in its own process group, with:
 - float32 weights, eager mode, its log in `<workdir>/vllm_server.log` (appended across restarts).
 
 `stop()` sends SIGTERM to the group and SIGKILL after a grace period; `restart()` keeps host, port and token.
+Each start gets a private TMPDIR, `<tmp>/rljax-vllm-<pid>-<random>/` (0700; vLLM's IPC sockets and its
+distributed-init file land there: 8 entries a start that vLLM leaves in /tmp), removed by `stop()`, or by a
+reaper process when the trainer is SIGKILLed (`rljax.lockdir.ReapedDir`).
 The child gets SIGTERM when the process that started it dies, even by SIGKILL (`child_exec.py` execs it).
 `launch_servers` starts several at once (one token, one port each); `served_model_name` reads the id a
 server serves.
@@ -28,12 +31,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import requests
 
-from rljax import envvars
+from rljax import envvars, lockdir
 from rljax.config import DEFAULTS, Config, is_loopback_host, serving_dtype
 from rljax.rollout import auth, placement
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, STAGING_DIR_ENV
@@ -99,6 +103,13 @@ def options_from_config(cfg: Config, **overrides) -> ServerOptions:
 
 
 _CHILD_EXEC = Path(__file__).with_name("child_exec.py")  # no preexec_fn: see its docstring
+TMP_PREFIX = "rljax-vllm-"  # a server's private TMPDIR: <tmp>/rljax-vllm-<pid>-<random>/
+_MAX_TMP_ROOT = 48  # vLLM's IPC sockets are <TMPDIR>/<uuid4> and a unix socket path holds 107 bytes
+
+
+def _tmp_root() -> str:
+    root = tempfile.gettempdir()
+    return root if len(root) <= _MAX_TMP_ROOT else "/tmp"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -194,6 +205,7 @@ class VLLMServer:
         self.log_path = self.workdir / "vllm_server.log"
         self.token_file = self.workdir / "server_token"
         self._proc: subprocess.Popen | None = None
+        self._tmp: lockdir.ReapedDir | None = None
 
     @property
     def url(self) -> str:
@@ -202,6 +214,11 @@ class VLLMServer:
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
+
+    @property
+    def tmpdir(self) -> str | None:
+        """The running child's private TMPDIR (None when not started)."""
+        return None if self._tmp is None else self._tmp.path
 
     def alive(self) -> bool:
         """True while the child process runs (it may not be healthy yet)."""
@@ -220,9 +237,13 @@ class VLLMServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         auth.write_token_file(self.token_file, self.token)
         cmd = server_command(self.model_path, self.host, self.port, self.options)
+        self._close_tmp()  # a child that exited by itself
+        lockdir.sweep_unlocked(_tmp_root(), TMP_PREFIX)  # those of trainers killed along with their reaper
+        self._tmp = lockdir.ReapedDir(_tmp_root(), TMP_PREFIX)
         env = server_env(self.options) | {
             auth.TOKEN_FILE_ENV: str(self.token_file.resolve()),
             STAGING_DIR_ENV: self.options.staging_dir,
+            "TMPDIR": dict(self.options.extra_env).get("TMPDIR", self._tmp.path),
         }
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== rljax: starting {' '.join(auth.redact_argv(cmd))}\n".encode())
@@ -251,9 +272,10 @@ class VLLMServer:
         raise ServerError(f"vLLM server not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def stop(self) -> None:
-        """SIGTERM to the whole process group (API server + engine core), SIGKILL after the grace period."""
+        """SIGTERM to the whole process group (API server + engine core), SIGKILL after the grace period;
+        then the child's TMPDIR goes."""
         if self._proc is None:
-            return
+            return self._close_tmp()
         if self._proc.poll() is None:
             self._signal(signal.SIGTERM)
             try:
@@ -263,6 +285,12 @@ class VLLMServer:
                 self._proc.wait(30)
         self._signal(signal.SIGKILL)  # engine-core children can outlive a clean API-server exit
         self._proc = None
+        self._close_tmp()
+
+    def _close_tmp(self) -> None:
+        if self._tmp is not None:
+            self._tmp.close()
+            self._tmp = None
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
         """True if the child runs and `/health` answers 200 within `timeout_s`."""

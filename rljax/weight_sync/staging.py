@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import stat
-import subprocess
-import sys
 import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -28,52 +25,20 @@ from rljax.weight_sync import wire
 DEFAULT_STAGING_DIR = "/dev/shm"
 STAGING_DIR_ENV = "RLJAX_STAGING_DIR"  # set on vLLM servers: the root their workers may map buckets from
 RUN_PREFIX = "rljax-ws-"  # per-run directories: <root>/rljax-ws-<pid>-<random>/ (the pid only names it)
-# Runs in a child of the trainer (`python -I -S -c`): waits for the trainer to exit (stdin reaches EOF, even
-# after a SIGKILL), then removes the run directory once its lock is free (a live trainer still holds it).
-_REAPER = """
-import fcntl, os, shutil, sys
-sys.stdin.buffer.read()
-try:
-    fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_RDWR | os.O_NOFOLLOW)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-except OSError:
-    sys.exit(0)
-shutil.rmtree(sys.argv[1], ignore_errors=True)
-"""
 
 
-class RunDir:
+class RunDir(lockdir.ReapedDir):
     """A private directory (0700) for one trainer's bucket files under `root`, removed on `close()`.
 
     Liveness is a lock, not a PID (PIDs are reused and differ across PID namespaces): the trainer holds an
     exclusive `flock` on `<dir>/.lock` while it lives, and `sweep_stale_run_dirs` removes only directories
-    whose lock it can take. A SIGKILL skips every cleanup, so a small reaper process (started here) removes
-    the directory as soon as the trainer is gone; a later trainer's sweep covers a reaper that died too.
+    whose lock it can take. A SIGKILL skips every cleanup, so a small reaper process (`lockdir.ReapedDir`)
+    removes the directory as soon as the trainer is gone; a later trainer's sweep covers a reaper that died
+    too.
     """
 
     def __init__(self, root: str | os.PathLike = DEFAULT_STAGING_DIR):
-        os.makedirs(root, exist_ok=True)
-        self.path, self._lock_fd = lockdir.make_locked_dir(root, RUN_PREFIX, 0o700)
-        self._reaper = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _REAPER, self.path],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # outlives a kill of the trainer's process group
-        )
-
-    def close(self) -> None:
-        """Removes the directory and everything in it, releases the lock, ends the reaper."""
-        if self._lock_fd is None:
-            return
-        shutil.rmtree(self.path, ignore_errors=True)
-        os.close(self._lock_fd)
-        self._lock_fd = None
-        self._reaper.stdin.close()  # EOF: the reaper finds nothing left and exits
-        try:
-            self._reaper.wait(5)
-        except subprocess.TimeoutExpired:
-            self._reaper.kill()
+        super().__init__(root, RUN_PREFIX, 0o700)
 
 
 def sweep_stale_run_dirs(root: str | os.PathLike = DEFAULT_STAGING_DIR) -> list[str]:

@@ -30,6 +30,7 @@ from vllm_server import assert_serves_reference, perturbed
 from rljax import config as C
 from rljax import launch
 from rljax.rollout import auth
+from rljax.rollout import server as server_lib
 from rljax.rollout.server import ServerError, VLLMServer
 from rljax.weight_sync import staging
 
@@ -268,7 +269,7 @@ def test_token_holder_cannot_point_the_worker_outside_its_staging_root(served_qw
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_sigkilled_trainer_leaves_no_server_process_and_no_bucket_file(tmp_path):
+def test_sigkilled_trainer_leaves_no_server_process_bucket_file_or_socket(tmp_path):
     workdir = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -292,6 +293,10 @@ def test_sigkilled_trainer_leaves_no_server_process_and_no_bucket_file(tmp_path)
             time.sleep(0.002)
         tree = _process_tree(proc.pid)
         assert len(tree) >= 4, tree  # the trainer, the vLLM API server, its engine core, the worker
+        # vLLM's IPC sockets are in the server's private TMPDIR, not in the host's temp dir
+        server_tmp = os.path.join(server_lib._tmp_root(), f"{server_lib.TMP_PREFIX}{proc.pid}-*")
+        (tmpdir,) = glob.glob(server_tmp)
+        assert any(stat.S_ISSOCK(os.stat(p).st_mode) for p in glob.glob(os.path.join(tmpdir, "*"))), tmpdir
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     finally:
@@ -302,11 +307,12 @@ def test_sigkilled_trainer_leaves_no_server_process_and_no_bucket_file(tmp_path)
     while time.monotonic() < deadline:
         alive = {p for p, start in tree.items() if _alive(p, start)}
         left = glob.glob(os.path.join(staging.DEFAULT_STAGING_DIR, f"{staging.RUN_PREFIX}{proc.pid}-*"))
+        left += glob.glob(server_tmp)
         if not alive and not left:
             break
         time.sleep(0.1)
     assert not alive, f"processes left after the trainer's SIGKILL: {sorted(alive)}"
-    assert not left, f"bucket directories left: {left}"
+    assert not left, f"bucket or server temp directories left: {left}"
     print(f"clean-up after SIGKILL took {time.monotonic() - killed_at:.1f} s for {len(tree)} processes")
 
 
