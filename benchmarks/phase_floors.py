@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -48,6 +50,9 @@ def offline_generation(cfg, requests) -> tuple[list[float], list[float], list, f
         kvcache_space_gib=vc.kvcache_space_gib, cpus=place.server_cpus, idle_spin_s=vc.idle_spin_s
     )
     os.environ.update(server_env(options))  # the loop's server's threads and cores
+    # vLLM's IPC sockets and distributed-init file go to a private dir, removed below (not left in /tmp)
+    tmp = tempfile.mkdtemp(prefix="rljax-offline-vllm-")
+    os.environ.update(TMPDIR=tmp, VLLM_RPC_BASE_PATH=tmp)
     eos = int(load_tokenizer(cfg.model.path).eos_token_id)
     llm = LLM(
         cfg.model.path,
@@ -86,6 +91,7 @@ def offline_generation(cfg, requests) -> tuple[list[float], list[float], list, f
         gc.collect()
         os.environ.clear()
         os.environ.update(saved)
+        shutil.rmtree(tmp, ignore_errors=True)
     sequences = [(list(o.prompt_token_ids), list(c.token_ids)) for o in outputs for c in o.outputs]
     return times, cpus, sequences, idle
 

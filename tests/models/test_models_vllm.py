@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import jax
@@ -52,14 +53,15 @@ def test_vllm_loads_a_saved_checkpoint_and_matches_our_greedy_decode(tmp_path):
     config, params = models.load_hf_checkpoint(src)
     out = models.save_hf_checkpoint(config, params, tmp_path / "saved", tokenizer_dir=src)
     prompts, steps = [[5, 17, 300, 42, 9], [100, 7, 7, 256]], 8
-    env = child_env(VLLM_CPU_KVCACHE_SPACE="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(out), json.dumps(prompts), str(steps)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    with tempfile.TemporaryDirectory(prefix="vllm-") as tmp:  # vLLM's IPC sockets: short path, removed
+        env = child_env(VLLM_CPU_KVCACHE_SPACE="1", JAX_PLATFORMS="cpu", TMPDIR=tmp)
+        proc = subprocess.run(
+            [sys.executable, "-c", _SCRIPT, str(out), json.dumps(prompts), str(steps)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     results = json.loads(lines[-1][len("RESULT") :])

@@ -5,10 +5,12 @@ Everything here is deterministic in its seed so separate processes build identic
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -149,7 +151,9 @@ def load(path: str, mesh: Mesh | None = None):
 @functools.cache
 def tiny_model() -> tuple[str, object, dict]:
     """(checkpoint dir, ModelConfig, host params) of the tiny Qwen2 model (built once per process)."""
-    ckpt = build_checkpoint(os.path.join(tempfile.mkdtemp(prefix="rljax_trainer_"), "tiny"))
+    root = tempfile.mkdtemp(prefix="rljax_trainer_")
+    atexit.register(shutil.rmtree, root, True)
+    ckpt = build_checkpoint(os.path.join(root, "tiny"))
     return (ckpt, *load(ckpt))
 
 
