@@ -275,7 +275,8 @@ class VLLMServer:
         """SIGTERM to the whole process group (API server + engine core), SIGKILL after the grace period;
         then the child's TMPDIR goes."""
         if self._proc is None:
-            return self._close_tmp()
+            self._close_tmp()
+            return
         if self._proc.poll() is None:
             self._signal(signal.SIGTERM)
             try:

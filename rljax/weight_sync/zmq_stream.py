@@ -55,9 +55,9 @@ class ZmqBucketServer:
 
     `bytes_sent` and `chunks_sent` count payload sent (all peers), `refused` CURVE handshakes refused,
     `dropped` replies dropped at a full peer queue. A send and its count are one step under a lock that the
-    counters' readers take too: a peer holding a chunk never reads a count without it. `fault` (tests
-    only): `("stall", n)` stops replying once `n` payload bytes were sent, as a trainer that hangs would (a
-    dead one: `close()`).
+    counters' readers take too: once a peer has a chunk, every read of the counts includes it. `fault`
+    (tests only): `("stall", n)` stops replying once `n` payload bytes were sent, as a trainer that hangs
+    would (a dead one: `close()`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 30.0):
