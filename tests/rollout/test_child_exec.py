@@ -94,9 +94,8 @@ def test_stop_removes_the_servers_tmpdir_and_spawn_sweeps_orphaned_ones(tmp_path
     # a trainer killed along with its reaper left its server's TMPDIR behind (its lock is free)
     orphan, fd = lockdir.make_locked_dir(server_lib._tmp_root(), server_lib.TMP_PREFIX, 0o700)
     os.close(fd)
-    held, held_fd = lockdir.make_locked_dir(
-        server_lib._tmp_root(), server_lib.TMP_PREFIX, 0o700
-    )  # a live one
+    # and a live trainer's server's TMPDIR (locked), which no sweep may touch
+    held, held_fd = lockdir.make_locked_dir(server_lib._tmp_root(), server_lib.TMP_PREFIX, 0o700)
     s = server_lib.VLLMServer(tmp_path, tmp_path / "work")
     try:
         s.spawn()

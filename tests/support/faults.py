@@ -127,9 +127,8 @@ def install(plan: FaultPlan) -> None:
     their one-attempt methods (inject the armed fault) for the rest of this process. A push is counted
     where it is delivered, so a background push arms the thread that makes its attempts."""
     armed = threading.local()
-    killing: list[
-        dict
-    ] = []  # the killer of the generate attempt in flight (the client's loop thread sees it)
+    # the killer of the generate attempt in flight (the client's event-loop thread reads it)
+    killing: list[dict] = []
     generate, push = RolloutEngine.generate, RolloutEngine._push_snapshot
     generate_attempt, push_attempt = RolloutEngine._generate_attempt, RolloutEngine._push_attempt
     post = RolloutClient._post
