@@ -238,8 +238,9 @@ class VLLMServer:
         auth.write_token_file(self.token_file, self.token)
         cmd = server_command(self.model_path, self.host, self.port, self.options)
         self._close_tmp()  # a child that exited by itself
-        lockdir.sweep_unlocked(_tmp_root(), TMP_PREFIX)  # those of trainers killed along with their reaper
-        self._tmp = lockdir.ReapedDir(_tmp_root(), TMP_PREFIX)
+        root = _tmp_root()
+        lockdir.sweep_unlocked(root, TMP_PREFIX)  # those of trainers killed along with their reaper
+        self._tmp = lockdir.ReapedDir(root, TMP_PREFIX)
         env = server_env(self.options) | {
             auth.TOKEN_FILE_ENV: str(self.token_file.resolve()),
             STAGING_DIR_ENV: self.options.staging_dir,
