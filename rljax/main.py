@@ -57,6 +57,7 @@ def start(cfg: config_lib.Config, workdir: str) -> None:
     preflight_or_fail(cfg)
     from rljax.checkpoint import CheckpointError, CheckpointMismatchError
     from rljax.loop.train import train
+    from rljax.rollout import EngineCrashError, RecoveryExhaustedError
 
     try:
         train(cfg, workdir, examples=examples)
@@ -64,6 +65,8 @@ def start(cfg: config_lib.Config, workdir: str) -> None:
         fail(f"checkpoint: {e}")
     except CheckpointError as e:  # not a user error: exit 1, still one line
         fail(f"checkpoint: {e}", code=1)
+    except (EngineCrashError, RecoveryExhaustedError) as e:  # the engine, not the user: exit 1, one line
+        fail(f"rollout: {e}", code=1)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

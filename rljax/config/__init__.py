@@ -47,7 +47,7 @@ from rljax.config.schema import (
     canary_tolerance,
     serving_dtype,
 )
-from rljax.config.validation import algo_family, is_loopback_host, mesh_shape, validate
+from rljax.config.validation import algo_family, is_loopback_host, mesh_shape, validate, vllm_is_cpu_build
 
 __all__ = [
     "CANARY_TOLERANCES",
@@ -86,4 +86,5 @@ __all__ = [
     "to_dict",
     "validate",
     "validate_runtime",
+    "vllm_is_cpu_build",
 ]

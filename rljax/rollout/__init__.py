@@ -3,7 +3,7 @@ the one trainer-side boundary to vLLM (generation, weight push, recovery)."""
 
 from rljax.rollout.client import ClientOptions, Completion, RolloutClient, RolloutError
 from rljax.rollout.engine import RolloutEngine, StateDictWeights
-from rljax.rollout.recovery import RecoveryExhaustedError
+from rljax.rollout.recovery import EngineCrashError, RecoveryExhaustedError
 from rljax.rollout.server import ServerError, ServerOptions, VLLMServer, free_port, served_model_name
 from rljax.weight_sync.gate import PolicyGate
 
@@ -11,6 +11,7 @@ __all__ = [
     "ClientOptions",
     "Completion",
     "PolicyGate",
+    "EngineCrashError",
     "RecoveryExhaustedError",
     "RolloutClient",
     "RolloutEngine",

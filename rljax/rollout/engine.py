@@ -16,13 +16,15 @@ What `params` is comes from the engine's `weights` (a `WeightSource`, chosen onc
 tensors on the host (`state_dict.items()`) with a reference model as the canary's trainer side (tests,
 notebooks, benchmarks).
 
-Recovery (`max_restarts` > 0): a `generate` or `push_weights` that fails with a recoverable error (a dead
-or hung server) restarts every owned server that died or stopped answering, re-pushes the last pushed
-weights and version (from a copy the engine keeps) and resubmits the call; after `max_restarts` restarts
-in a row the call raises `RecoveryExhaustedError`. One recovery runs at a time (a lock shared by the loop
-and the async producer's thread); a caller whose failure predates a recovery that already happened just
-retries. Until the re-push the gate is broken: a generate call that comes in meanwhile fails, waits for
-the recovery and is resubmitted, instead of sampling a restarted server's checkpoint under the previous
+Recovery (`max_restarts` > 0): a `generate` or `push_weights` that fails with a recoverable error (a dead or
+hung server) restarts every owned server that died or stopped answering, re-pushes the last pushed weights
+and version (from a copy the engine keeps) and resubmits the call; after `max_restarts` restarts in a row
+the call raises `RecoveryExhaustedError`. A server that crashes again after a restart with the same root-
+cause line in its log (a deterministic engine crash) ends the call at once with `EngineCrashError` quoting
+that line and naming the log: it stops within one restart. One recovery runs at a time (a lock shared by the
+loop and the async producer's thread); a caller whose failure predates a recovery that already happened just
+retries. Until the re-push the gate is broken: a generate call that comes in meanwhile fails, waits for the
+recovery and is resubmitted, instead of sampling a restarted server's checkpoint under the previous
 version's label. With `max_restarts` = 0 the first error is raised as it is.
 
 `model_path` is the local checkpoint directory the servers loaded: the syncer checks names and shapes
@@ -48,7 +50,7 @@ from rljax.rollout import placement
 from rljax.rollout.auth import bearer_headers
 from rljax.rollout.background import BackgroundPush
 from rljax.rollout.client import ClientOptions, Completion, RolloutClient
-from rljax.rollout.recovery import RECOVERY_METRICS, call_with_recovery
+from rljax.rollout.recovery import RECOVERY_METRICS, EngineCrashError, call_with_recovery
 from rljax.rollout.server import ServerOptions, VLLMServer, launch_servers, served_model_name
 from rljax.weight_sync.canary import (
     DEFAULT_BLOCK_SIZE,
@@ -144,6 +146,7 @@ class RolloutEngine:
         self.weights, self._max_restarts = weights, max_restarts
         self._lock = threading.RLock()  # one recovery (or push) at a time
         self._epoch = 0  # recoveries done; a failure seen before the latest one needs no new restart
+        self._last_crash: str | None = None  # root cause of the crash the latest restart followed
         self._current: tuple[Callable[[], Snapshot], int] | None = None  # (last pushed weights, version)
         self._stats: dict[str, float] = dict.fromkeys(RECOVERY_METRICS, 0.0)
         self._stats_lock = threading.Lock()
@@ -315,6 +318,7 @@ class RolloutEngine:
         broken: a restarted server serves the checkpoint, not the gate's version, so a generate call that
         came in meanwhile would get samples labelled with the wrong policy version."""
         dead = [s for s in self.servers if not s.healthy()]
+        self._check_repeated_crash(dead)
         if dead and not self.gate.broken:  # (a failed push's "mixed weights" stays until its re-push)
             self.gate.broken = _restarting(dead)
         for s in dead:
@@ -324,6 +328,19 @@ class RolloutEngine:
             s.wait_healthy(s.options.startup_timeout_s)
         self.syncer.reset()
         return dead
+
+    def _check_repeated_crash(self, dead: Sequence[VLLMServer]) -> None:
+        """Raises EngineCrashError when a server crashed with the root cause (`VLLMServer.crash_cause`) of
+        the crash the previous restart followed, with no call succeeding in between: the same requests
+        crash the same engine again, so restarting more only repeats it."""
+        crashes = [(s, cause) for s in dead if (cause := s.crash_cause())]
+        for server, cause in crashes:
+            if cause == self._last_crash:
+                raise EngineCrashError(
+                    f"vLLM server {server.url} crashed again after a restart with the same error, not "
+                    f"retried: {cause} (server log: {server.log_path})"
+                )
+        self._last_crash = crashes[0][1] if crashes else None
 
     def _recover(self, seen_epoch: int) -> bool:
         """Restart + re-push of the last pushed weights and version (False: someone else recovered)."""
@@ -344,7 +361,9 @@ class RolloutEngine:
             return op()
         stats: dict[str, float] = {}
         try:
-            return call_with_recovery(op, recover, self._max_restarts, f"rollout {what}", stats=stats)
+            result = call_with_recovery(op, recover, self._max_restarts, f"rollout {what}", stats=stats)
+            self._last_crash = None  # a crash after a call that worked is a new one
+            return result
         finally:
             self._count(stats)
 

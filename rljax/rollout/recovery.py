@@ -35,6 +35,11 @@ class RecoveryExhaustedError(RuntimeError):
     """The rollout server failed again after `max_restarts` restarts."""
 
 
+class EngineCrashError(RuntimeError):
+    """A vLLM server crashed again, after a restart, with the same root cause: a deterministic crash
+    (the same requests crash the same engine), not retried further."""
+
+
 def _add(stats: dict | None, key: str, value: float) -> None:
     if stats is not None:
         stats[key] = stats.get(key, 0.0) + value

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,13 +39,58 @@ from pathlib import Path
 import requests
 
 from rljax import envvars, lockdir
-from rljax.config import DEFAULTS, Config, is_loopback_host, serving_dtype
+from rljax.config import DEFAULTS, Config, is_loopback_host, serving_dtype, vllm_is_cpu_build
 from rljax.rollout import auth, placement
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, STAGING_DIR_ENV
 
 
 class ServerError(RuntimeError):
     """The vLLM server failed to start, died, or did not become healthy in time."""
+
+
+_CPU_DEFAULT_BATCHED_TOKENS = 2048  # vLLM 0.32's max_num_batched_tokens for its CPU OpenAI server
+
+
+def prefill_args(max_model_len: int, *, cpu_build: bool) -> list[str]:
+    """vLLM flags that keep every prefill whole on the CPU build; none elsewhere.
+
+    Why: vLLM samples a token for a partially prefilled request (chunked prefill: its prompt is larger
+    than the step's token budget) and discards it, rewinding the request's seeded generator by its
+    offset (`gpu_model_runner._bookkeeping_sync`, `gen.set_offset(gen.get_offset() - 4)`). CUDA's
+    Philox generators have offsets; torch's CPU generator (mt19937) does not, so the CPU engine dies
+    ("CPU Generator does not use offset") on the first seeded request whose prompt exceeds the budget.
+    With chunked prefill off a prompt is scheduled whole or waits (vLLM's scheduler), no sample is
+    discarded and no generator is rewound, for any batch shape; vLLM then needs a budget of at least
+    `max_model_len` tokens (it refuses to start otherwise), as it sets itself where it turns chunked
+    prefill off on CPU (MLA models, `platforms/cpu.py`). The budget stays vLLM's CPU server default
+    (`_CPU_DEFAULT_BATCHED_TOKENS`) where that is enough.
+    """
+    if not cpu_build:
+        return []
+    budget = max(max_model_len, _CPU_DEFAULT_BATCHED_TOKENS)
+    return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
+
+
+# A line of a Python exception ("RuntimeError: ..."), after vLLM's process and log prefixes.
+_LOG_PREFIX_RE = re.compile(
+    r"^(?:\(\w+ pid=\d+\)\s*)?(?:(?:ERROR|WARNING|INFO|CRITICAL)\s+\S+\s+\S+\s+\[[^\]]*\]\s*)?"
+)
+_EXCEPTION_RE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Exit)): (.+)$")
+
+
+def crash_cause(log_text: str) -> str | None:
+    """The root-cause line of a crash in a server log: the first exception line after the first
+    traceback (vLLM's worker raises it; the engine core and API server then re-raise wrappers that
+    say "see stack trace above"), without vLLM's process/level/time prefix. None if there is none."""
+    lines = log_text.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+    if start is None:
+        return None
+    for line in lines[start + 1 :]:
+        match = _EXCEPTION_RE.match(_LOG_PREFIX_RE.sub("", line.strip()))
+        if match:
+            return f"{match.group(1)}: {match.group(2).strip()}"[:500]
+    return None
 
 
 _VLLM = DEFAULTS.rollout.vllm  # the config's defaults: each field the config sets has its default there
@@ -77,6 +123,8 @@ class ServerOptions:
     # how long an idle worker busy-polls before sleeping (vLLM's own is 1 s, a core taken from the trainer).
     cpus: tuple[int, ...] = ()
     idle_spin_s: float = _VLLM.idle_spin_s
+    # None: from the installed vLLM (`vllm_is_cpu_build`); decides `prefill_args`.
+    cpu_build: bool | None = None
 
 
 def options_from_config(cfg: Config, **overrides) -> ServerOptions:
@@ -158,6 +206,8 @@ def server_command(model_path: str, host: str, port: int, options: ServerOptions
     ]
     if options.block_size is not None:
         cmd += ["--block-size", str(options.block_size)]
+    cpu_build = vllm_is_cpu_build() if options.cpu_build is None else options.cpu_build
+    cmd += prefill_args(options.max_model_len, cpu_build=cpu_build)
     if options.enforce_eager:
         cmd.append("--enforce-eager")
     return cmd + list(options.extra_args)
@@ -206,6 +256,7 @@ class VLLMServer:
         self.token_file = self.workdir / "server_token"
         self._proc: subprocess.Popen | None = None
         self._tmp: lockdir.ReapedDir | None = None
+        self._log_start = 0  # the log's size when the running child started: its own part follows
 
     @property
     def url(self) -> str:
@@ -247,6 +298,7 @@ class VLLMServer:
             "TMPDIR": dict(self.options.extra_env).get("TMPDIR", self._tmp.path),
         }
         with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()
             log.write(f"\n=== rljax: starting {' '.join(auth.redact_argv(cmd))}\n".encode())
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", str(_CHILD_EXEC), str(os.getpid()), *cmd],
@@ -310,6 +362,15 @@ class VLLMServer:
         """Stops (if needed) and starts again on the same host and port; the weights are the checkpoint's."""
         self.stop()
         return self.start()
+
+    def crash_cause(self) -> str | None:
+        """The root-cause line of the latest start's crash in its log (`crash_cause`), or None."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                return crash_cause(log.read().decode(errors="replace"))
+        except OSError:
+            return None
 
     def log_tail(self, chars: int = 4000) -> str:
         try:

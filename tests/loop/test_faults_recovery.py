@@ -109,6 +109,9 @@ class _FakeServer:
     def wait_healthy(self, timeout_s):
         assert self.alive
 
+    def crash_cause(self):
+        return None  # killed, not crashed: no traceback in its log
+
     options = SimpleNamespace(startup_timeout_s=1.0)
 
 
