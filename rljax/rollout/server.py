@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -41,56 +40,12 @@ import requests
 from rljax import envvars, lockdir
 from rljax.config import DEFAULTS, Config, is_loopback_host, serving_dtype, vllm_is_cpu_build
 from rljax.rollout import auth, placement
+from rljax.rollout.crashes import crash_cause, prefill_args
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, STAGING_DIR_ENV
 
 
 class ServerError(RuntimeError):
     """The vLLM server failed to start, died, or did not become healthy in time."""
-
-
-_CPU_DEFAULT_BATCHED_TOKENS = 2048  # vLLM 0.32's max_num_batched_tokens for its CPU OpenAI server
-
-
-def prefill_args(max_model_len: int, *, cpu_build: bool) -> list[str]:
-    """vLLM flags that keep every prefill whole on the CPU build; none elsewhere.
-
-    Why: vLLM samples a token for a partially prefilled request (chunked prefill: its prompt is larger
-    than the step's token budget) and discards it, rewinding the request's seeded generator by its
-    offset (`gpu_model_runner._bookkeeping_sync`, `gen.set_offset(gen.get_offset() - 4)`). CUDA's
-    Philox generators have offsets; torch's CPU generator (mt19937) does not, so the CPU engine dies
-    ("CPU Generator does not use offset") on the first seeded request whose prompt exceeds the budget.
-    With chunked prefill off a prompt is scheduled whole or waits (vLLM's scheduler), no sample is
-    discarded and no generator is rewound, for any batch shape; vLLM then needs a budget of at least
-    `max_model_len` tokens (it refuses to start otherwise), as it sets itself where it turns chunked
-    prefill off on CPU (MLA models, `platforms/cpu.py`). The budget stays vLLM's CPU server default
-    (`_CPU_DEFAULT_BATCHED_TOKENS`) where that is enough.
-    """
-    if not cpu_build:
-        return []
-    budget = max(max_model_len, _CPU_DEFAULT_BATCHED_TOKENS)
-    return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
-
-
-# A line of a Python exception ("RuntimeError: ..."), after vLLM's process and log prefixes.
-_LOG_PREFIX_RE = re.compile(
-    r"^(?:\(\w+ pid=\d+\)\s*)?(?:(?:ERROR|WARNING|INFO|CRITICAL)\s+\S+\s+\S+\s+\[[^\]]*\]\s*)?"
-)
-_EXCEPTION_RE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Exit)): (.+)$")
-
-
-def crash_cause(log_text: str) -> str | None:
-    """The root-cause line of a crash in a server log: the first exception line after the first
-    traceback (vLLM's worker raises it; the engine core and API server then re-raise wrappers that
-    say "see stack trace above"), without vLLM's process/level/time prefix. None if there is none."""
-    lines = log_text.splitlines()
-    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
-    if start is None:
-        return None
-    for line in lines[start + 1 :]:
-        match = _EXCEPTION_RE.match(_LOG_PREFIX_RE.sub("", line.strip()))
-        if match:
-            return f"{match.group(1)}: {match.group(2).strip()}"[:500]
-    return None
 
 
 _VLLM = DEFAULTS.rollout.vllm  # the config's defaults: each field the config sets has its default there

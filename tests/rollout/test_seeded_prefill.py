@@ -14,7 +14,8 @@ import pytest
 from vllm_server import TEST_SERVER_OPTIONS
 
 from rljax.rollout import EngineCrashError, RolloutEngine, StateDictWeights, VLLMServer
-from rljax.rollout.server import ServerOptions, crash_cause, prefill_args, server_command
+from rljax.rollout.crashes import crash_cause, prefill_args
+from rljax.rollout.server import ServerOptions, server_command
 
 # What vLLM 0.32's CPU engine logged for the crash (worker, engine core and API server), abridged.
 _W = "(Worker pid=3327) ERROR 12-06 06:27:19 [multiproc_executor.py:1063]"
