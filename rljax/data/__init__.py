@@ -6,7 +6,7 @@ An example is a dict with at least "prompt" (a str, or a list of {"role", "conte
 "answer" (str), plus any other fields.
 """
 
-from rljax.data import procedural  # noqa: F401  (registers arithmetic, countdown)
+from rljax.data import procedural, word_problems  # noqa: F401  (arithmetic, countdown, word_problems)
 from rljax.data.chat import ChatRenderer, PlainRenderer, is_conversation, make_prompt_renderer
 from rljax.data.iterator import PromptIterator, epoch_permutation, format_prompt, split_train_eval
 from rljax.data.sources import SOURCES, Example, make_source, map_fields
