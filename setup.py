@@ -23,6 +23,7 @@ CORE = [
     # The `math` reward grades with Hugging Face's Math-Verify (TRL, verl and AReaL use it); its parser
     # needs the antlr4 runtime of the version its extra names.
     "math-verify[antlr4_13_2]>=0.9",
+    "sympy>=1.12",  # the math reward bounds parsed answers (sizes, towers) before math-verify compares them
 ]
 
 EXTRAS = {

@@ -1,12 +1,14 @@
-"""Verifiers without processes: math extraction/equivalence, format, length penalties, countdown, resolve."""
+"""Verifiers without processes: math (Math-Verify), format, length penalties, countdown, resolve."""
 
-from fractions import Fraction
+import concurrent.futures
+import time
 
 import pytest
 
 from rljax.rewards import REWARDS, resolve
+from rljax.rewards.base import reward_range
 from rljax.rewards.countdown import check_countdown, extract_expression
-from rljax.rewards.math_verify import answers_match, extract_answer, find_boxed, parse_number
+from rljax.rewards.math_verify import ANSWER_EXTRACTORS, find_boxed, reference_answer
 
 
 def score(name, completion, answer="", **options):
@@ -21,83 +23,142 @@ def test_registry_has_the_builtins_and_rejects_duplicates():
 
 
 @pytest.mark.parametrize(
-    "text, expected",
+    "extract, text, expected",
     [
-        (r"so \boxed{\frac{3}{4}} done", r"\frac{3}{4}"),
-        (r"\boxed{1} then \boxed{ {2} + \{x\} }", r"{2} + \{x\}"),  # last box, nested braces kept
-        ("work\n#### 1,234\n", "1,234"),
-        ("The answer is 17.", "17"),
-        ("Answer: -5", "-5"),
-        ("I get 3 then 4 and finally 12 apples", "12"),
-        ("no numbers here", None),
+        ("auto", "anything", "anything"),  # Math-Verify finds the answer itself
+        ("boxed", r"so \boxed{\frac{3}{4}} done", r"\boxed{\frac{3}{4}}"),
+        ("boxed", r"\boxed{1} then \boxed{ {2} + \{x\} }", r"\boxed{ {2} + \{x\} }"),  # last box, braces kept
+        ("boxed", "no box", None),
+        ("hash", "work\n#### 1,234\n", "1,234"),
+        ("hash", "#### 1\n#### \n", "1"),  # the last non-empty one
+        ("hash", "no hash", None),
+        ("last_line", "work\nx = 5\n\n", "x = 5"),
+        ("last_line", " \n", None),
     ],
 )
-def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
+def test_answer_extractors(extract, text, expected):
+    assert ANSWER_EXTRACTORS.get(extract)(text) == expected
 
 
-def test_find_boxed_handles_unbalanced_and_fbox():
+def test_find_boxed_nested_unbalanced_fbox_and_linear():
     assert find_boxed(r"\fbox{a{b}c} \boxed{open") == ["a{b}c"]
+    assert find_boxed(r"\boxed{a \boxed{b}} \boxed{}") == [r"a \boxed{b}", "b", ""]
+    start = time.monotonic()
+    assert find_boxed("\\boxed{" * 100_000) == []  # one pass: 100k unclosed boxes in well under a second
+    assert time.monotonic() - start < 5.0
 
 
 @pytest.mark.parametrize(
-    "text, values",
+    "answer, reference",
     [
-        ("42", [Fraction(42)]),
-        ("-3", [Fraction(-3)]),
-        ("+3", [Fraction(3)]),
-        ("1,234,567", [Fraction(1234567)]),
-        ("0.75", [Fraction(3, 4)]),
-        (".5", [Fraction(1, 2)]),
-        ("3/4", [Fraction(3, 4)]),
-        (r"\frac{3}{4}", [Fraction(3, 4)]),
-        (r"-\dfrac{6}{8}", [Fraction(-3, 4)]),
-        (r"\frac12", [Fraction(1, 2)]),
-        ("\u22127", [Fraction(-7)]),  # unicode minus
-        (r"$18.00$", [Fraction(18)]),
-        ("x = 5", [Fraction(5)]),
-        (r"50\%", [Fraction(50), Fraction(1, 2)]),
-        ("25%", [Fraction(25), Fraction(1, 4)]),
-        (r"7 \text{ apples}", [Fraction(7)]),
-        ("1e3", [Fraction(1000)]),
-        ("abc", []),
-        ("1/0", []),
-        ("2 or 3", []),
-        ("x+1", []),
-        ("about 7 dollars", [Fraction(7)]),
+        ("Natalia sold 48/2 = 24 clips.\n#### 72", "72"),  # GSM8K
+        ("#### 1,234", "1,234"),
+        (17, "17"),
+        ("1,5", "1,5"),  # plain numbers stay as they are
+        ("-0.5%", "-0.5%"),
+        (r"\frac{3}{4}", r"$\frac{3}{4}$"),  # bare LaTeX is delimited
+        ("(1, 2)", "$(1, 2)$"),
+        ("y = 2x + 3", "$y = 2x + 3$"),
+        (r"so $x$ is \boxed{3}", r"so $x$ is \boxed{3}"),
     ],
 )
-def test_parse_number(text, values):
-    assert parse_number(text) == values
+def test_reference_answer(answer, reference):
+    assert reference_answer({"answer": answer}) == reference
 
 
 @pytest.mark.parametrize(
-    "pred, ref, same",
+    "completion, answer, options, expected",
     [
-        ("0.5", "1/2", True),
-        (r"\frac{1}{2}", "0.50", True),
-        ("1,000", "1000", True),
-        ("50%", "0.5", True),
-        ("50%", "50", True),
-        ("-2", "2", False),
-        ("0.333", "1/3", False),  # exact comparison: a rounded decimal is not a third
-        ("x+1", "x + 1", True),  # non-numeric answers compare as normalised text
-        ("x+1", "x+2", False),
-        ("", "", False),
+        # The default job's outputs: a bare number after "a + b ="; with junk after it, the last number
+        # that stands alone (Math-Verify's plain-number reading, as today's last-number fallback).
+        (" 12", "12", {}, 1.0),
+        (" 13", "12", {}, 0.0),
+        ("12 3", "3", {}, 1.0),
+        ("12 3", "12", {}, 0.0),
+        (r"... \boxed{72}", "72", {}, 1.0),
+        ("... #### 72", "Natalia sold 48/2 = 24 clips.\n#### 72", {}, 1.0),
+        ("so 3/4 of it", r"\frac{3}{4}", {}, 1.0),
+        ("The answer is 0.5", r"\frac{1}{2}", {}, 1.0),
+        ("It costs $1,000.", "1000", {}, 1.0),
+        ("50%", "0.5", {}, 1.0),
+        (r"$x = 5$", "5", {}, 1.0),  # an assignment's value
+        (r"\boxed{\{1, 2\}}", r"\{2, 1\}", {}, 1.0),  # sets, unordered
+        (r"\boxed{(1, 2]}", "(1, 2)", {}, 0.0),  # intervals: ends matter
+        (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", {}, 1.0),  # symbolic equality
+        ("3", r"3\sqrt{2}", {}, 0.0),  # a bare LaTeX reference is read whole, not as its first number
+        ("2", "(1, 2)", {}, 0.0),
+        (r"\boxed{71}", "72", {}, 0.0),
+        (r"\boxed{7}. Check: 7 + 5 = 12", "12", {}, 0.0),  # the boxed answer counts, not the last number
+        ("nothing", "72", {}, 0.0),
+        # Explicit extraction: only that part is graded.
+        ("it is 72", "72", {"extract": "boxed"}, 0.0),
+        (r"\boxed{71} ... \boxed{72}", "72", {"extract": "boxed"}, 1.0),
+        ("72 then\n#### 71", "72", {"extract": "hash"}, 0.0),
+        ("so\n#### 72", "72", {"extract": "hash"}, 1.0),
+        ("72\nwhatever", "72", {"extract": "last_line"}, 0.0),
+        # Options: the reward's values, verify's rounding, and only the tail is read.
+        (r"\boxed{2}", "2", {"correct": 2.5}, 2.5),
+        (r"\boxed{3}", "2", {"incorrect": -1.0}, -1.0),
+        ("0.3333", r"\frac{1}{3}", {"float_rounding": 4}, 1.0),
+        ("0.3333", r"\frac{1}{3}", {}, 0.0),
+        (r"\boxed{72}" + " filler" * 1000, "72", {"max_chars": 1000}, 0.0),
     ],
 )
-def test_answers_match(pred, ref, same):
-    assert answers_match(pred, ref) is same
+def test_math_reward_golden(completion, answer, options, expected):
+    assert score("math", completion, answer, **options) == expected
 
 
-def test_math_reward_forms_and_gsm8k_reference():
-    assert score("math", r"... \boxed{72}", "72") == 1.0
-    assert score("math", "... #### 72", "Natalia sold 48/2 = 24 clips.\n#### 72") == 1.0
-    assert score("math", "so 3/4 of it", r"\frac{3}{4}") == 1.0
-    assert score("math", r"\boxed{71}", "72") == 0.0
-    assert score("math", "nothing", "72") == 0.0
-    assert score("math", "it is 72", "72", fallback_last_number=False) == 0.0
-    assert score("math", r"\boxed{2}", "2", correct=2.5) == 2.5
+def test_math_reward_unknown_extract_fails_when_the_range_is_read():
+    with pytest.raises(KeyError, match="valid names: auto, boxed, hash, last_line"):
+        reward_range(REWARDS.get("math"), {"extract": "last_number"})
+
+
+def test_math_reward_off_the_main_thread_does_not_crash():
+    # SIGALRM (math-verify's timeouts) works only in a main thread; an env step runs in its own thread.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(score, "math", r"\boxed{\frac{1}{2}}", "0.5").result(timeout=60) == 1.0
+        assert pool.submit(score, "math", r"\boxed{3}", "0.5").result(timeout=60) == 0.0
+
+
+_DET_12 = "\\\\".join("&".join(f"x_{{{i}{j}}}" for j in range(12)) for i in range(12))
+_ADVERSARIAL = {
+    "power tower": "9^9^9^9",
+    "python power tower": "10**10**10",
+    "latex power tower": r"so \boxed{10^{10^{10}}}",
+    "huge factorial": r"$(10^{10})!$",
+    "huge sum": r"\boxed{\sum_{k=1}^{10^{9}} k^k}",
+    "huge product": r"\boxed{\prod_{k=1}^{10^{9}} k}",
+    "huge binomial": r"\boxed{\binom{10^{10}}{10^{5}}}",
+    "symbolic power": r"\boxed{(x+1)^{100000}}",
+    "power chain": "$" + "x^" * 500 + "2$",
+    "nested parentheses": "$" + "(" * 3000 + "1" + ")" * 3000 + "$",
+    "12x12 symbolic determinant": r"$\det\begin{pmatrix}" + _DET_12 + r"\end{pmatrix}$",
+    "long digit string": "1" * 100_000,
+    "a megabyte of unclosed boxes": "\\boxed{" * 150_000,
+    "a megabyte of dollars": "$" * 1_000_000,
+}
+
+
+def _idle_then_score():
+    for _ in range(30):  # Python bytecode for 0.3 s: a deadline left armed would raise in here
+        time.sleep(0.01)
+    return score("math", " 12", "12")
+
+
+@pytest.mark.parametrize("name", list(_ADVERSARIAL))
+def test_math_reward_bounded_on_adversarial_completions(name):
+    # Generous bounds for a loaded 2-core machine: with timeout_s=1, a main-thread call makes at most a
+    # few 1 s math-verify attempts and a thread's deadline is 3 s; unbounded, several of these run for
+    # minutes or exhaust memory.
+    completion = _ADVERSARIAL[name]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # off the main thread first (no caches warm)
+        start = time.monotonic()
+        assert pool.submit(score, "math", completion, "12", timeout_s=1).result(timeout=60) == 0.0
+        assert time.monotonic() - start < 10.0
+        assert pool.submit(_idle_then_score).result(timeout=60) == 1.0  # the same thread: no stray deadline
+    start = time.monotonic()
+    assert score("math", completion, "12", timeout_s=1) == 0.0
+    assert time.monotonic() - start < 10.0
 
 
 def test_format_reward():
