@@ -146,7 +146,11 @@ def _sample_and_grade(cfg: config_lib.Config, sampler, examples: list[dict], sam
     correct = (per_function[names[0]] >= 0.5).reshape(shape)
     lengths = np.array([len(c.token_ids) for c in completions]).reshape(shape)
     truncated = np.array([c.finish_reason == "length" for c in completions]).reshape(shape)
-    rewards = {name: per_function[name].reshape(shape) for name in names[1:]}
+    # named as in reward.functions (the pool suffixes a name it already has: the verifier is often one)
+    rewards = {
+        fn: per_function[name].reshape(shape)
+        for fn, name in zip(cfg.reward.functions, names[1:], strict=True)
+    }
     if dump:
         _write_completions(dump, items, correct.reshape(-1))
     return summarize(correct, lengths, truncated, rewards)
