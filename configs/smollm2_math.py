@@ -38,6 +38,7 @@ def apply_preset(cfg, preset):
         cfg.rollout.batch_size = 8
         cfg.rollout.group_size = 4
         cfg.rollout.max_tokens = 32
+        cfg.rollout.vllm.kvcache_space_gib = 1  # the suite runs it beside other servers: 24 GiB in all
         cfg.checkpoint.every_steps = 2
         return cfg
     raise ConfigError("--config preset", f"unknown preset {preset!r}; valid: smoke")

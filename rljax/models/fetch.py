@@ -334,15 +334,21 @@ def fetch(name: str, out: Path | None = None, cache: Path | None = None) -> Conv
 def resolve_model_path(path: str) -> str:
     """`model.path` as a directory: an existing directory unchanged; a fetchable model's name (e.g.
     "smollm2-135m-instruct") -> `<cache>/<name>`, fetched and converted on first use; anything else
-    unchanged (the config checks report it). FetchError when the fetch or its check fails."""
+    unchanged (the config checks report it). FetchError when the fetch or its check fails.
+
+    The fetch runs as a child (`python -m rljax.models.fetch NAME`, its output on ours): the conversion's
+    ~2.5 GB of torch tensors at its peak should not stay in the heap of a trainer that runs on."""
     if os.path.isdir(path) or path not in FETCHABLE:
         return path
-    result = fetch(path)
-    if not result.passed:
-        raise FetchError(
-            f"{path}: rljax's check failed: {result.check.describe()}; the conversion was not kept"
-        )
-    return str(result.path)
+    out = cache_dir() / path
+    if completed(out, FETCHABLE.get(path).sha256) is None:
+        proc = subprocess.run([sys.executable, "-m", "rljax.models.fetch", path], check=False)
+        if proc.returncode != 0 or completed(out, FETCHABLE.get(path).sha256) is None:
+            raise FetchError(
+                f"{path}: `python -m rljax.models.fetch {path}` failed (exit {proc.returncode}; its output "
+                "above says why); the conversion was not kept"
+            )
+    return str(out)
 
 
 def _run(args: argparse.Namespace) -> Conversion:
