@@ -23,7 +23,8 @@ from rljax.config import ConfigError, default_config_dict
 SYSTEM_PROMPT = (
     "Solve the math word problem. Work it out in short steps, then give the final answer as a number "
     "after ####.\n\n"
-    "Example problem: Tom has 3 boxes with 4 apples in each box. He eats 2 apples. How many apples are left?\n"
+    "Example problem: Tom has 3 boxes with 4 apples in each box. He eats 2 apples. "
+    "How many apples are left?\n"
     "Example solution:\nApples in the boxes: 3 * 4 = 12\nApples left: 12 - 2 = 10\n#### 10"
 )
 

@@ -19,7 +19,7 @@ from jax_env import child_env
 
 from rljax import config as C
 from rljax.metrics.parameters import FILENAME, parameter_table, write_parameter_overview
-from rljax.metrics.profile import StepProfiler, profile_dir
+from rljax.metrics.profile import profile_dir
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TESTS = pathlib.Path(__file__).resolve().parents[1] / "support"
@@ -39,14 +39,33 @@ def trace_runs(logdir) -> list[pathlib.Path]:
     return sorted(pathlib.Path(logdir, "plugins", "profile").iterdir())
 
 
+# The traced steps run in a fresh interpreter, as in `rljax.main` (one profiler per process): in a test
+# worker that had run ~400 other tests first, jax.profiler.StepTraceAnnotation's constructor once spun in
+# native code for good (pytest-timeout's signal never reached Python; the suite hung at 99%).
+TRACE_STEPS = """
+import sys
+import jax, jax.numpy as jnp
+from rljax.metrics.profile import StepProfiler
+f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+x = jnp.ones((64, 64))
+profiler = StepProfiler(sys.argv[1], steps=(2, 3, 5))
+for step in range(1, 7):
+    with profiler.step(step):
+        f(x + step).block_until_ready()
+    assert profiler.active == (step == 2), step  # open across 2-3, closed after 3 and after 5
+"""
+
+
 def test_step_profiler_traces_only_the_chosen_steps(tmp_path):
-    f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
-    x = jnp.ones((64, 64))
-    profiler = StepProfiler(str(tmp_path), steps=(2, 3, 5))
-    for step in range(1, 7):
-        with profiler.step(step):
-            f(x + step).block_until_ready()
-        assert profiler.active == (step == 2)  # open across 2-3, closed after 3 and after 5
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", TRACE_STEPS, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
     runs = trace_runs(tmp_path)
     assert len(runs) == 2, runs  # (2, 3) and (5,): one trace per run of consecutive steps
     xplanes = [next(run.glob("*.xplane.pb")) for run in runs]

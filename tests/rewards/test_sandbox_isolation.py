@@ -87,10 +87,28 @@ def test_tmp_and_shm_writes_are_capped_and_gone_after_the_run():
     assert again.stdout.strip() == "[]", again.stdout
 
 
+def _host_dir_outside_private_mounts() -> str:
+    """A writable host directory the sandbox sees through its read-only mounts: not under /tmp, /var/tmp
+    or /dev/shm, which it replaces with private tmpfs (a checkout under /tmp would be invisible there)."""
+    private = ("/tmp", "/var/tmp", "/dev/shm")
+    for candidate in (
+        os.getcwd(),
+        os.path.dirname(os.path.abspath(__file__)),
+        os.path.expanduser("~"),
+        "/var/lib",
+    ):
+        real = os.path.realpath(candidate)
+        if not any(real == p or real.startswith(p + "/") for p in private) and os.access(real, os.W_OK):
+            return real
+    pytest.fail(f"no writable directory outside {private} to plant the test's directory in")
+
+
 def test_the_rest_of_the_filesystem_is_read_only():
     # A world-writable host dir outside /tmp: file modes would let any uid write there; the read-only
     # mounts do not (EROFS).
-    open_dir = pathlib.Path(tempfile.mkdtemp(prefix=".rljax-ro-test-", dir=os.getcwd()))
+    open_dir = pathlib.Path(
+        tempfile.mkdtemp(prefix=".rljax-ro-test-", dir=_host_dir_outside_private_mounts())
+    )
     try:
         open_dir.chmod(0o777)
         code = (

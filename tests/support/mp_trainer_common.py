@@ -114,6 +114,27 @@ def max_rel_diff(a, b) -> float:
     return max(jax.tree.leaves(diffs))
 
 
+# Two runs' updated params differ by their updates' difference: measured against the update's own size
+# (not the params' norm, which a small step leaves almost unchanged). Adam's first step is
+# lr * g / (|g| + eps) per element: sign-like where |g| >> eps, but linear in g where |g| is near eps, and
+# there it carries the element's own relative error, far above the gradients' norm-wise 1e-5 (sharded
+# reductions change the float32 summation order). Measured on the 8-device and 2-process runs: 1.05e-3 of
+# the step (AMD EPYC). 1e-2 leaves 10x for other hosts' summation orders. The gradients themselves are
+# compared at 1e-5 beside it (Adam's sign-like step would hide a gradient's scale); this bound catches an
+# update that is wrongly applied or sharded (a leaf's step on the wrong shard or not at all is O(1)).
+STEP_RTOL = 1e-2
+
+
+def max_step_rel_diff(new, ref_new, old) -> float:
+    """max over leaves of ||new - ref_new|| / ||ref_new - old||: two updates from `old` compared
+    against the reference update's size (norm-wise, per leaf)."""
+    new, ref_new, old = to_host(new), to_host(ref_new), to_host(old)
+    diffs = jax.tree.map(
+        lambda x, y, o: float(np.linalg.norm(x - y) / max(np.linalg.norm(y - o), 1e-30)), new, ref_new, old
+    )
+    return max(jax.tree.leaves(diffs))
+
+
 @dataclasses.dataclass
 class Reference:
     """The single-device run every equivalence test compares against (host values)."""
