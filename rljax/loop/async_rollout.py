@@ -1,8 +1,10 @@
 """Async rollouts: batch j+1 is generated while step j trains, never staler than `trainer.max_staleness`.
 
 A producer thread generates the batch for step j once the served policy version is >= j - max_staleness
-(version v = the weights after v updates). Generation and weight sync exclude each other through the
-engine's policy gate, so every sample is tagged with exactly one version. `snapshot()` waits for the
+(version v = the weights after v updates), and the trainer serves v + 1 only after that batch (j = v +
+max_staleness) is generated: batch j comes from policy j - max_staleness exactly, not from thread
+timing. Generation and weight sync exclude each other through the engine's policy gate, so every
+sample is tagged with exactly one version. `snapshot()` waits for the
 batch in flight, then returns the buffered (generated, not yet trained on) batches together with the
 data position, so a checkpoint resumes exactly; `restore()` puts them back.
 """
@@ -65,6 +67,16 @@ class AsyncProducer:
         with self._cv:
             self._version = version
             self._cv.notify_all()
+
+    def await_generator_of(self, version: int) -> None:
+        """Before `version` is served: waits until the last batch its predecessor may generate (step
+        version - 1 + max_staleness) is generated, so a push never overtakes a batch that has not
+        started. Batch j then always comes from policy max(j - max_staleness, the start's), whatever the
+        threads' timing: runs and their resumes train on the same samples (checked bitwise)."""
+        with self._cv:
+            self._cv.wait_for(
+                lambda: self._next >= version + self._k or self._closed or self._error is not None
+            )
 
     def _may_generate(self) -> bool:
         ahead = self._next - self._version  # staleness the next batch would have when trained on

@@ -143,6 +143,8 @@ def sync_weights(
     producer told when it is served; `served_now` (an evaluation or the run's end follows) waits for it.
     Returns the weight_sync/* of the pushes delivered since the previous step (async: usually the
     previous step's)."""
+    if producer is not None:
+        producer.await_generator_of(version)
     if producer is None or jax.process_count() > 1:
         metrics = engine.push_weights(state.params, version)
         if producer is not None:

@@ -40,6 +40,28 @@ def test_no_batch_is_staler_than_max_staleness(k):
     assert any(step - version >= 1 for step, version in rec.calls)
 
 
+class SlowToStart(Recorder):
+    """A producer thread that starts each batch late (a busy host): without the trainer waiting for it,
+    the next push would land first and the batch would come from a fresher policy."""
+
+    def produce(self, step):
+        time.sleep(0.05)
+        return super().produce(step)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_each_batch_comes_from_policy_step_minus_k_whatever_the_timing(k):
+    rec = SlowToStart()
+    producer = AsyncProducer(rec.produce, start_step=0, max_staleness=k, version=0, data_state=dict).start()
+    for step in range(6):
+        producer.take(step)
+        producer.await_generator_of(step + 1)  # the trainer, before serving the update's weights
+        rec.version = step + 1
+        producer.set_version(step + 1)
+    producer.close()
+    assert rec.calls[:6] == [(j, max(0, j - k)) for j in range(6)]
+
+
 def test_snapshot_restores_the_buffer_exactly():
     rec = Recorder()
     producer = AsyncProducer(

@@ -88,19 +88,22 @@ def test_tmp_and_shm_writes_are_capped_and_gone_after_the_run():
 
 
 def _host_dir_outside_private_mounts() -> str:
-    """A writable host directory the sandbox sees through its read-only mounts: not under /tmp, /var/tmp
-    or /dev/shm, which it replaces with private tmpfs (a checkout under /tmp would be invisible there)."""
+    """A writable host directory the sandbox's uid can reach through its read-only mounts: not under /tmp,
+    /var/tmp or /dev/shm, which it replaces with private tmpfs (a checkout under /tmp is invisible there),
+    and every ancestor searchable by others (root's home is not: EACCES before the mount could answer)."""
     private = ("/tmp", "/var/tmp", "/dev/shm")
-    for candidate in (
-        os.getcwd(),
-        os.path.dirname(os.path.abspath(__file__)),
-        os.path.expanduser("~"),
-        "/var/lib",
-    ):
+
+    def reachable(path: str) -> bool:
+        parts = pathlib.Path(path).parts
+        return all(os.stat(os.path.join(*parts[: i + 1])).st_mode & 0o001 for i in range(len(parts)))
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.getcwd(), here, os.path.expanduser("~"), "/var/lib", "/opt", "/srv", "/mnt"):
         real = os.path.realpath(candidate)
-        if not any(real == p or real.startswith(p + "/") for p in private) and os.access(real, os.W_OK):
+        outside = not any(real == p or real.startswith(p + "/") for p in private)
+        if outside and os.path.isdir(real) and os.access(real, os.W_OK) and reachable(real):
             return real
-    pytest.fail(f"no writable directory outside {private} to plant the test's directory in")
+    pytest.fail(f"no writable, world-searchable directory outside {private} to plant the test's directory in")
 
 
 def test_the_rest_of_the_filesystem_is_read_only():
