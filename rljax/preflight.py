@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     except config_lib.ConfigError as e:
         print(f"preflight: FAIL config: {e}", flush=True)
         return 2
+    from rljax.models.fetch import with_model_fetched
+
+    cfg = with_model_fetched(cfg)  # a fetchable model name: its converted directory (fetched once)
     runtime.initialize_jax()
     import jax
 

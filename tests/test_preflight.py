@@ -321,3 +321,56 @@ def test_the_hand_formula_knows_every_remat_policy():
     from rljax.models.remat import REMAT_POLICIES
 
     assert KEEPS_ACTIVATIONS.names() == REMAT_POLICIES.names()
+
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def planted_conversion(cache) -> str:
+    """A finished conversion of smollm2-135m-instruct in `cache`, as `rljax.models.fetch` leaves it (its
+    marker), holding only a config.json: what the checks read."""
+    from rljax.models import fetch
+
+    done = write_model(cache / SMOLLM2, QWEN25_05B)
+    check = dataclasses.asdict(fetch.ParityCheck(1e-5))
+    marker = {"sha256": fetch.FETCHABLE.get(SMOLLM2).sha256, "check": check}
+    (cache / SMOLLM2 / fetch.MARKER).write_text(json.dumps(marker))
+    return done
+
+
+def test_cli_reads_a_fetchable_model_name_from_its_cached_conversion(tmp_path):
+    """`model.path=smollm2-135m-instruct` (a name `rljax.models.fetch` converts) is checked on the cached
+    conversion, as `rljax.main` runs it; unresolved, the name has no config.json."""
+    planted_conversion(tmp_path)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", RLJAX_CACHE=str(tmp_path))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rljax.preflight",
+            "--config=configs/grpo.py",
+            f"--config.model.path={SMOLLM2}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "config.json" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    report = [line for line in proc.stdout.splitlines() if line.startswith("preflight: memory per device")]
+    assert len(report) == 1, proc.stdout + proc.stderr
+    assert not (tmp_path / "wheels").exists()  # found in the cache, nothing downloaded
+
+
+def test_serve_serves_a_fetchable_model_name_from_its_cached_conversion(tmp_path, monkeypatch):
+    from rljax.rollout import serve
+
+    monkeypatch.setenv("RLJAX_CACHE", str(tmp_path))
+    done = planted_conversion(tmp_path)
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    token.chmod(0o600)
+    opts = serve.argparse.Namespace(host="127.0.0.1", port=8000, token_file=str(token), model="", vllm_arg=[])
+    argv, _ = serve.build(opts, ["--config=configs/grpo.py", f"--config.model.path={SMOLLM2}"])
+    assert done in argv and SMOLLM2 not in argv, argv

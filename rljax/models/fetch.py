@@ -351,6 +351,22 @@ def resolve_model_path(path: str) -> str:
     return str(out)
 
 
+def with_model_fetched(cfg):
+    """`cfg` (an rljax Config) with a fetchable `model.path` name replaced by its converted directory in
+    the cache, fetched on first use; any other path is kept. The entry points that read model.path
+    (main, preflight, rollout.serve) call it first: a failed fetch is one line, exit 1 (not the user's
+    input); a bad name, exit 2."""
+    from rljax.runtime import fail
+
+    try:
+        path = resolve_model_path(cfg.model.path)
+    except FetchError as e:  # the registry or the conversion failed: not the user's input
+        fail(f"model.path: {e}", code=1)
+    except ValueError as e:
+        fail(f"config: model.path: {e}")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
+
+
 def _run(args: argparse.Namespace) -> Conversion:
     """Validates the arguments (exit 2, one line) and runs the fetch or conversion they ask for."""
     from rljax.runtime import fail

@@ -52,7 +52,9 @@ def check_bind(host: str, allow_remote: bool) -> None:
 
 def build(opts: argparse.Namespace, args: list[str]) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of the server for `opts` and the trainer's `args`."""
-    cfg = config_from_args(args)
+    from rljax.models.fetch import with_model_fetched
+
+    cfg = with_model_fetched(config_from_args(args))  # a fetchable model name: its converted directory
     check_bind(opts.host, cfg.rollout.vllm.allow_remote)
     token_file = os.path.abspath(opts.token_file)
     try:
