@@ -183,11 +183,13 @@ def test_the_module_runs_as_a_script(tmp_path):
 
 
 def test_parity_verdict():
-    tol = fetch.TOLERANCE
-    assert fetch.ParityCheck(tol).passed
-    assert not fetch.ParityCheck(2 * tol).passed  # above the bound and not shown to be rounding
-    assert fetch.ParityCheck(1.1 * tol, 1.07 * tol, 0.93 * tol).passed  # smollm2: float32 rounding
-    assert not fetch.ParityCheck(30 * tol, 30 * tol, 0.9 * tol).passed  # a real mismatch
+    from rljax.models.logit_parity import TOLERANCE as tol
+    from rljax.models.logit_parity import ParityCheck
+
+    assert ParityCheck(tol).passed
+    assert not ParityCheck(2 * tol).passed  # above the bound and not shown to be rounding
+    assert ParityCheck(1.1 * tol, 1.07 * tol, 0.93 * tol).passed  # smollm2: float32 rounding
+    assert not ParityCheck(30 * tol, 30 * tol, 0.9 * tol).passed  # a real mismatch
 
 
 def test_resolve_model_path(tmp_path, monkeypatch):
