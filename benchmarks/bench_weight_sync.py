@@ -191,7 +191,7 @@ def main() -> None:
 
     from rljax import models
     from rljax.config import CANARY_TOLERANCES
-    from rljax.loop.distributed import cast_params
+    from rljax.distributed import cast_params
     from rljax.rollout import RolloutEngine, ServerOptions, StateDictWeights
     from rljax.weight_sync import SyncOptions, stage_buckets
 

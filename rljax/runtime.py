@@ -11,12 +11,7 @@ import os
 import sys
 
 from rljax import config as config_lib
-
-
-def fail(message: str, code: int = 2) -> None:
-    """A user error: one line `rljax: error: <message>` on stderr, exit `code` (2), no traceback."""
-    print(f"rljax: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(code)
+from rljax.errors import fail  # the entry points' one-line user errors (also used as `runtime.fail`)
 
 
 def _set_cpu_device_count() -> None:
@@ -44,7 +39,7 @@ def initialize_jax() -> None:
     Under an srun step with more than one task, `jax.distributed.initialize()` reads the Slurm environment
     (RLJAX_COORDINATOR, when set by launch/gpu_slurm.sh, overrides its coordinator address). Every process
     prints `rljax: process i of n, k local devices`. In a multi-process job every process then runs a
-    peer watchdog (`rljax.loop.distributed.PeerWatchdog`): when a peer dies, the others exit within
+    peer watchdog (`rljax.distributed.PeerWatchdog`): when a peer dies, the others exit within
     RLJAX_PEER_TIMEOUT_S (default 30) seconds, naming it, instead of hanging in a collective.
     """
     _set_cpu_device_count()
@@ -74,7 +69,7 @@ def initialize_jax() -> None:
 def start_peer_watchdog() -> None:
     """The dead-peer watchdog of a multi-process job (no-op in one process); RLJAX_PEER_TIMEOUT_S sets its
     timeout (seconds without a peer's heartbeat before this process exits)."""
-    from rljax.loop.distributed import start_peer_watchdog as start
+    from rljax.distributed import start_peer_watchdog as start
 
     raw = os.environ.get("RLJAX_PEER_TIMEOUT_S", "30")
     try:

@@ -46,8 +46,8 @@ RULES = {
     },
 }
 # Entry-point modules inside a layer, each with the one module outside its rule it may use: the CLI's
-# one-line user errors (`rljax.runtime.fail`).
-ENTRY_POINT_IMPORTS = {"rljax/models/fetch.py": {"rljax.runtime"}}
+# one-line user errors (`rljax.errors.fail`).
+ENTRY_POINT_IMPORTS = {"rljax/models/fetch.py": {"rljax.errors"}}
 # Side-effect packages: only the host loop (and start-up, CLIs, and the packages themselves) touch these.
 HOST_ONLY = ["rljax.rollout", "rljax.weight_sync", "rljax.rewards", "rljax.checkpoint", "rljax.metrics"]
 HOST_MODULES = (
@@ -230,3 +230,114 @@ def test_every_third_party_import_is_a_declared_dependency():
     # the optional features' packages have extras of their own (not only the test extra)
     assert {"pyarrow", "datasets"} <= declared["data"] and "wandb" in declared["wandb"]
     assert "pyzmq" in declared["core"]
+
+
+# ------------------------------------------------------------------------- the package graph, entry points
+# The commands (`python -m rljax.<name>`): they parse and call; no library module imports one.
+ENTRY_POINTS = (
+    "rljax.main",
+    "rljax.launch",
+    "rljax.preflight",
+    "rljax.replay",
+    "rljax.report",
+    "rljax.monitor",
+    "rljax.eval",
+    "rljax.export",
+    "rljax.metrics.__main__",
+    "rljax.models.fetch",
+    "rljax.rollout.serve",
+)
+
+
+def module_name(path: pathlib.Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def unit_of(name: str) -> str | None:
+    """The package (or top-level module) of rljax that the module `name` belongs to: rljax.<first part>;
+    None outside rljax or for a name that is not one of its modules (`from rljax import config` records
+    `rljax.config`, a package, which counts; a class in a module counts as its module)."""
+    parts = name.split(".")
+    if parts[0] != "rljax" or len(parts) < 2:
+        return None
+    base = REPO / "rljax" / parts[1]
+    return f"rljax.{parts[1]}" if base.is_dir() or base.with_suffix(".py").is_file() else None
+
+
+def package_graph() -> dict[str, dict[str, str]]:
+    """{unit: {unit it imports: "file:line" of the first such import}}: every import counts, the lazy ones
+    inside functions too (they run as surely as the others, only later)."""
+    graph: dict[str, dict[str, str]] = {}
+    for f in sorted((REPO / "rljax").rglob("*.py")):
+        src = unit_of(module_name(f))
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for dst in {unit_of(n) for n in names} - {None, src}:
+                graph.setdefault(src, {}).setdefault(dst, f"{f.relative_to(REPO)}:{node.lineno}")
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    planted = {"a": {"b": ""}, "b": {"c": ""}, "c": {"a": ""}, "d": {"a": ""}}
+    assert cycles(planted) == [["a", "b", "c"]]
+    assert cycles({"a": {"b": ""}, "b": {"c": ""}, "d": {"a": ""}}) == []
+
+
+def test_the_package_graph_has_no_cycle():
+    graph = package_graph()
+    assert graph.get("rljax.loop") and graph.get("rljax.rollout")  # the graph was read
+    report = [
+        f"{a} -> {b} ({graph[a][b]})" for c in cycles(graph) for a in c for b in graph.get(a, {}) if b in c
+    ]
+    assert not report, "packages import each other:\n" + "\n".join(report)
+
+
+def test_no_library_module_imports_an_entry_point():
+    bad = []
+    for f in sorted((REPO / "rljax").rglob("*.py")):
+        if module_name(f) in ENTRY_POINTS:
+            continue  # a command may call another's functions (launch runs preflight's checks)
+        for name in imports_of(f):
+            if any(name == e or name.startswith(e + ".") for e in ENTRY_POINTS):
+                bad.append(f"{f.relative_to(REPO)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_entry_point_is_a_command():
+    for name in ENTRY_POINTS:
+        text = (REPO / (name.replace(".", "/") + ".py")).read_text()
+        assert name.endswith("__main__") or '__name__ == "__main__"' in text, name

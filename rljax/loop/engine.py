@@ -29,7 +29,7 @@ import numpy as np
 
 from rljax import models, trainer
 from rljax.config import Config, canary_tolerance, serving_dtype
-from rljax.loop.distributed import cast_params, is_leader, to_host
+from rljax.distributed import cast_params, is_leader, to_host
 from rljax.loop.sharded_sync import push_sharded, release_kept, single_host
 from rljax.rollout import ClientOptions, RolloutEngine, placement
 from rljax.rollout.auth import read_token_file

@@ -24,9 +24,9 @@ from rljax import algos, models, trainer
 from rljax.checkpoint import Checkpointer, abstract_like
 from rljax.config import Config, mesh_shape, to_dict
 from rljax.data import make_prompt_renderer
+from rljax.distributed import is_leader
 from rljax.loop.async_rollout import AsyncProducer
 from rljax.loop.data_setup import PromptStream, load_examples
-from rljax.loop.distributed import is_leader
 from rljax.loop.engine import make_engine
 from rljax.loop.evaluation import NO_EVAL, Evaluator, make_evaluator
 from rljax.loop.phases import PhaseTimer

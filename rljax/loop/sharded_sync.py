@@ -18,7 +18,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from rljax.loop.distributed import broadcast_tree, cast_params, is_leader
+from rljax.distributed import broadcast_tree, cast_params, is_leader
 
 BUCKETS_PER_PROCESS = 1 << 20  # process p numbers its buckets from p * this: one update lists them all
 _SHARE_TIMEOUT_MS = 600_000

@@ -15,9 +15,9 @@ import numpy as np
 
 from rljax.checkpoint import save_batch
 from rljax.config import Config
+from rljax.distributed import barrier, broadcast_tree, is_leader, to_host
 from rljax.loop import rollout_phase
 from rljax.loop.async_rollout import AsyncProducer
-from rljax.loop.distributed import barrier, broadcast_tree, is_leader, to_host
 from rljax.loop.evaluation import Evaluator, eval_due
 from rljax.loop.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from rljax.loop.rollout_phase import Collector

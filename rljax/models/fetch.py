@@ -289,7 +289,7 @@ def with_model_fetched(cfg):
     the cache, fetched on first use; any other path is kept. The entry points that read model.path
     (main, preflight, rollout.serve) call it first: a failed fetch is one line, exit 1 (not the user's
     input); a bad name, exit 2."""
-    from rljax.runtime import fail
+    from rljax.errors import fail
 
     try:
         path = resolve_model_path(cfg.model.path)
@@ -302,7 +302,7 @@ def with_model_fetched(cfg):
 
 def _run(args: argparse.Namespace) -> Conversion:
     """Validates the arguments (exit 2, one line) and runs the fetch or conversion they ask for."""
-    from rljax.runtime import fail
+    from rljax.errors import fail
 
     if bool(args.name) == bool(args.gguf):
         fail(f"give a model name ({', '.join(FETCHABLE.names())}) or --gguf FILE, not both or neither")
@@ -321,7 +321,7 @@ def _run(args: argparse.Namespace) -> Conversion:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI (see the module doc); returns the exit status."""
-    from rljax.runtime import fail
+    from rljax.errors import fail
 
     p = argparse.ArgumentParser(prog="python -m rljax.models.fetch", description=__doc__.splitlines()[0])
     p.add_argument("name", nargs="?", help=f"a fetchable model: {', '.join(FETCHABLE.names())}")

@@ -85,7 +85,7 @@ def iter_owned_hf_slices(
 ) -> Iterator[tuple[str, np.ndarray, tuple[tuple[int, int], ...] | None]]:
     """Sharded staging: `(hf_name, array, hf_index)` for the shards of `params` that this process owns,
     in HF layout and `dtype` (default `config.param_dtype`; cast on device first, e.g. with
-    `loop.distributed.cast_params`, so only serving-dtype bytes leave the device).
+    `rljax.distributed.cast_params`, so only serving-dtype bytes leave the device).
 
     A shard is owned by the device holding its replica 0 (`replica_id == 0`), so across every process of
     a job each element of every HF tensor is yielded exactly once. `hf_index` is the piece's

@@ -21,7 +21,7 @@ every generation that second takes one of the trainer's cores. `rljax.weight_syn
 socket on every message, but a ping can be lost (vLLM re-checks the queue every 5 s for that reason,
 `SHM_READER_RECHECK_INTERVAL_MS`): measured with no spin and vLLM's 5 s re-check, a sync's control calls
 stalled 5 or 10 s each. So a sleeping reader also re-checks every `IDLE_RECHECK_MS` (an idle worker then
-wakes 200 times a second for a few microseconds, instead of spinning).
+wakes 200 times a second for a few microseconds, instead of spinning; both in `weight_sync.idle_spin`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-IDLE_SPIN_ENV = "RLJAX_VLLM_IDLE_SPIN_S"
-IDLE_RECHECK_MS = 5  # a sleeping queue reader's re-check period (bounds the cost of a lost wake-up ping)
+from rljax.weight_sync.idle_spin import IDLE_SPIN_ENV
+
 MODES = ("auto", "none", "split")
 MIN_SPLIT_CORES = 2  # auto splits the cores in async mode only when each side gets this many
 

@@ -23,9 +23,9 @@ import sys
 
 from rljax import config as config_lib
 from rljax.config import is_loopback_host
-from rljax.launch import config_from_args
 from rljax.rollout import auth
 from rljax.rollout.server import ServerOptions, options_from_config, server_command, server_env
+from rljax.runtime import config_from_args
 from rljax.weight_sync.staging import STAGING_DIR_ENV
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from rljax.rollout.placement import IDLE_RECHECK_MS, IDLE_SPIN_ENV
+from rljax.weight_sync.idle_spin import IDLE_RECHECK_MS, IDLE_SPIN_ENV
 from rljax.weight_sync.transports import NAMES
 
 # One engine for every transport name: each update's `update_info` says whether its buckets are files to

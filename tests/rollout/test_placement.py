@@ -10,6 +10,7 @@ import pytest
 from rljax import config as C
 from rljax.rollout import placement
 from rljax.rollout.server import ServerOptions, server_env
+from rljax.weight_sync import idle_spin
 
 
 def test_auto_leaves_the_trainer_all_cores_in_sync_mode_and_splits_them_in_async_mode():
@@ -36,7 +37,7 @@ def test_auto_leaves_the_trainer_all_cores_in_sync_mode_and_splits_them_in_async
 def test_server_env_carries_the_cores_and_the_idle_spin():
     env = server_env(ServerOptions(cpus=(0, 2), idle_spin_s=0.0))
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,2" and env["OMP_NUM_THREADS"] == "2"
-    assert float(env[placement.IDLE_SPIN_ENV]) == 0.0
+    assert float(env[idle_spin.IDLE_SPIN_ENV]) == 0.0
     unbound = server_env(ServerOptions())
     assert unbound.get("VLLM_CPU_OMP_THREADS_BIND") == os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
 
@@ -80,9 +81,9 @@ def test_quiet_idle_spin_lowers_vllms_busy_loop():
         print(*before, *after)
         """
     )
-    env = dict(os.environ, **{placement.IDLE_SPIN_ENV: "0.002"})
+    env = dict(os.environ, **{idle_spin.IDLE_SPIN_ENV: "0.002"})
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert [float(x) for x in out.stdout.split()] == [1.0, 5000, 0.002, placement.IDLE_RECHECK_MS]
+    assert [float(x) for x in out.stdout.split()] == [1.0, 5000, 0.002, idle_spin.IDLE_RECHECK_MS]
 
 
 def test_engine_close_gives_the_cores_back():

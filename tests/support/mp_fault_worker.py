@@ -13,7 +13,7 @@ def main() -> None:
     runtime.initialize_jax()
     import jax
 
-    from rljax.loop.distributed import barrier, broadcast_tree
+    from rljax.distributed import barrier, broadcast_tree
 
     like = {"x": np.zeros(3, np.float32)}
     for step in range(10**9):

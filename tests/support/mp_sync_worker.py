@@ -42,7 +42,7 @@ def cast_hlo_facts(params) -> dict:
     bfloat16 of the sharded params) and its per-device bytes."""
     import jax.numpy as jnp
 
-    from rljax.loop import distributed
+    from rljax import distributed
 
     compiled = distributed._cast.lower(params, jnp.dtype("bfloat16")).compile()
     text = compiled.as_text()

@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rljax import config as C
-from rljax.loop import distributed
-from rljax.loop.distributed import cast_params
+from rljax import distributed
+from rljax.distributed import cast_params
 
 
 def test_serving_dtype_follows_master_unless_set():

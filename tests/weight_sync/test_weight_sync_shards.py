@@ -114,7 +114,7 @@ def test_owned_hf_slices_tile_every_hf_tensor_exactly_once(family, tied, mesh_sh
     over data): every element of every HF tensor is staged once, equal to the unsharded conversion, and
     the staged bytes are the model's bytes in the serving dtype."""
     from rljax import models
-    from rljax.loop.distributed import cast_params
+    from rljax.distributed import cast_params
     from rljax.sharding import logical_to_sharding, make_mesh
 
     config = _config(family, tied)
@@ -170,8 +170,7 @@ def test_the_on_device_cast_before_staging_has_no_collective_in_its_hlo():
     """The one jitted op of the sharded sync path (float32 masters -> bfloat16 on each shard's device)
     compiles to no all-gather or other collective on an fsdp x tensor mesh: each device casts its own
     shards (per-device output = its own shards, half their bytes)."""
-    from rljax import models
-    from rljax.loop import distributed
+    from rljax import distributed, models
     from rljax.sharding import logical_to_sharding, make_mesh
 
     config = _config("qwen2", False)

@@ -1,4 +1,5 @@
-"""Multi-process helpers for the host loop (one JAX process per GPU or host, no Ray).
+"""Multi-process helpers below the host loop and start-up (one JAX process per GPU or host, no Ray): a leaf
+module (jax and numpy only), so `rljax.runtime` can start the peer watchdog without importing the loop.
 
 Process 0 (the leader) owns the rollout engine, the reward workers, evaluation and the writers; every
 process runs the sharded update. The leader's batch reaches the others with `broadcast_tree`, and the
