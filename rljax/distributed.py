@@ -173,9 +173,7 @@ def start_peer_watchdog(interval_s: float = 1.0, timeout_s: float = 30.0) -> Pee
     """Starts the `PeerWatchdog` in a multi-process job (after `jax.distributed.initialize`); else None."""
     if jax.process_count() == 1:
         return None
-    from jax._src import distributed as jax_distributed
-
-    client = jax_distributed.global_state.client
+    client = kv_client()
     if client is None:
         return None
     watchdog = PeerWatchdog(
@@ -184,6 +182,17 @@ def start_peer_watchdog(interval_s: float = 1.0, timeout_s: float = 30.0) -> Pee
         jax.process_count(),
         interval_s=interval_s,
         timeout_s=timeout_s,
-        active=lambda: jax_distributed.global_state.client is client,
+        active=lambda: kv_client() is client,
     )
     return watchdog.start()
+
+
+def kv_client():
+    """The jax.distributed key-value store's client of this process (None before
+    `jax.distributed.initialize` or after its shutdown): the sharded push's metadata, the canary's host
+    check and the peer watchdog's heartbeats go through it. JAX has no public handle to it
+    (`jax.distributed` exposes initialize, is_initialized and shutdown only; multihost_utils uses it
+    internally), so this is rljax's one import of `jax._src`: an upgrade that moves it breaks here only."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client

@@ -85,6 +85,21 @@ def test_no_module_over_400_lines():
     assert not stale, f"shrink TOO_LONG to today's counts (now, listed): {stale}"
 
 
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_over_60_lines():
+    """A function (or method) of rljax, from its `def` to its last line, docstring included."""
+    long = []
+    for p in modules():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{rel(p)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines; split them:\n" + "\n".join(long)
+
+
 def test_no_name_switches_outside_registries():
     fields = string_fields()
     assert {"family", "advantage", "transport", "name"} <= fields

@@ -11,6 +11,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 STDLIB = set(sys.stdlib_module_names)
 
 # Pure layers: jax/numpy/optax and the stdlib only (plus the named rljax modules).
+# The metric schema and how values combine by it: pure (stdlib, numpy, registry), the one reduction table
+# the trainer (over an update's steps) and the host (over a step's parts) both use.
+PURE_METRICS = ("rljax.metrics.schema", "rljax.metrics.values")
 PURE = {"jax", "numpy", "optax", "jaxtyping"}
 RULES = {
     "rljax/algos": PURE | {"rljax.registry", "rljax.types"},
@@ -43,6 +46,7 @@ RULES = {
         "rljax.types",
         "rljax.config",
         "rljax.registry",
+        *PURE_METRICS,
     },
 }
 # Entry-point modules inside a layer, each with the one module outside its rule it may use: the CLI's
@@ -116,6 +120,8 @@ def test_side_effect_packages_only_reached_from_the_host_loop():
         if any(own == pkg or own.startswith(pkg + ".") for pkg in HOST_ONLY):
             continue  # the host-side packages may use each other (rollout <-> weight_sync)
         for name in imports_of(f):
+            if name.startswith(PURE_METRICS):
+                continue
             for pkg in HOST_ONLY:
                 if name == pkg or name.startswith(pkg + "."):
                     bad.append(f"{rel} imports {name}")
@@ -341,3 +347,21 @@ def test_every_entry_point_is_a_command():
     for name in ENTRY_POINTS:
         text = (REPO / (name.replace(".", "/") + ".py")).read_text()
         assert name.endswith("__main__") or '__name__ == "__main__"' in text, name
+
+
+def test_jax_internals_are_imported_in_one_adapter_only():
+    """`jax._src` (private, moves between releases) only in `rljax.distributed.kv_client`, which says why."""
+    users = sorted(
+        str(f.relative_to(REPO))
+        for root in ("rljax", "kernels")
+        for f in (REPO / root).rglob("*.py")
+        if any(n == "jax._src" or n.startswith("jax._src.") for n in imports_of(f))
+    )
+    assert users == ["rljax/distributed.py"], users
+
+
+def test_the_pure_metric_modules_stay_pure():
+    for name in PURE_METRICS:
+        f = REPO / (name.replace(".", "/") + ".py")
+        outside = [n for n in imports_of(f) if not allowed(n, {"numpy", "rljax.registry", *PURE_METRICS})]
+        assert not [n for n in outside if n != "__future__"], (name, outside)

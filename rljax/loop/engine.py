@@ -30,7 +30,7 @@ import numpy as np
 from rljax import models, trainer
 from rljax.config import Config, canary_tolerance, serving_dtype
 from rljax.distributed import cast_params, is_leader, to_host
-from rljax.loop.sharded_sync import push_sharded, release_kept, single_host
+from rljax.loop.sharded_sync import PushState, push_sharded, single_host
 from rljax.rollout import ClientOptions, RolloutEngine, placement
 from rljax.rollout.auth import read_token_file
 from rljax.rollout.server import options_from_config
@@ -147,6 +147,7 @@ class ShardedJaxWeights:
     stager: ShardStager
     max_restarts: int = 0
     serve: Callable | None = None
+    state: PushState = dataclasses.field(default_factory=PushState)  # kept across `dataclasses.replace`
 
     def push(self, params, canary: CanarySpec | None, push: Callable | None) -> dict:
         w = self.weights
@@ -156,6 +157,7 @@ class ShardedJaxWeights:
 
         return push_sharded(
             params,
+            state=self.state,
             model_config=w.model_config,
             dtype=w.dtype,
             stager=self.stager,
@@ -166,7 +168,7 @@ class ShardedJaxWeights:
         )
 
     def close(self) -> None:
-        release_kept()
+        self.state.release()
         self.stager.close()
 
 

@@ -10,23 +10,66 @@ canary's trainer side is the sharded training path itself, a collective the lead
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
-from rljax.distributed import broadcast_tree, cast_params, is_leader
+from rljax.distributed import broadcast_tree, cast_params, is_leader, kv_client
 
 BUCKETS_PER_PROCESS = 1 << 20  # process p numbers its buckets from p * this: one update lists them all
 _SHARE_TIMEOUT_MS = 600_000
 
 
+@dataclasses.dataclass
+class PushState:
+    """One run's sharded-push state on this process (an object, not module globals: two runs in one
+    process, or a test, each have their own). `pushes`: pushes so far, the same count on every process
+    (each push gets a fresh key-value prefix); `kept`: this process's buckets (or served pushes) of the
+    last push, kept for a recovery's re-push until the next push succeeds."""
+
+    pushes: int = 0
+    kept: list = dataclasses.field(default_factory=list)
+
+    def next_key(self) -> str:
+        self.pushes += 1
+        return f"rljax/ws/{self.pushes}"
+
+    def retire(self, mine: list, keep: bool) -> None:
+        """Unlinks this push's buckets, or (keep) the previous push's, keeping this one's."""
+        if keep:
+            gone, self.kept = self.kept, list(mine)
+        else:
+            gone = list(mine)
+        for b in gone:
+            b.unlink()
+
+    def release(self) -> None:
+        """Removes the kept push's buckets (and stops their servers): the run is over."""
+        self.retire([], keep=True)
+
+
+@dataclasses.dataclass
+class _Staged:
+    """This process's share of one push: its bucket descriptors' owners (`mine`), what to retire at the
+    end (`units`: the buckets, or the served push holding them), its server, a staging error, seconds."""
+
+    mine: list
+    units: list
+    served: Any = None
+    error: Exception | None = None
+    seconds: float = 0.0
+
+
 def push_sharded(
     params,
     *,
+    state: PushState,
     model_config,
     dtype,
     stager,
@@ -52,87 +95,72 @@ def push_sharded(
        follow (`_follow_canary`) until the leader says the push is over (also on failure);
     4. every process removes its own bucket files (and stops its server); with `keep` (a run that may
        recover: the leader re-pushes the last version's buckets alone, no collective) a push's files
-       and server stay until the next push succeeds.
+       and server stay in `state` until the next push succeeds.
     Returns the leader's metrics (plus `weight_sync/staged_bytes_{max,min}_process`: tensor bytes one
     process staged), {} elsewhere.
     """
-    from rljax import models
-
-    me = jax.process_index()
-    _SYNCS[0] += 1
-    key = f"rljax/ws/{_SYNCS[0]}"
-    mine, units, served, error, t0 = [], [], None, None, time.perf_counter()
-    try:
-        items = models.iter_owned_hf_slices(model_config, cast_params(params, dtype), dtype)
-        mine = units = stager.stage(items, first_index=me * BUCKETS_PER_PROCESS)
-        if serve is not None:
-            served = serve(mine)
-            mine, units = served.buckets, [served]
-            if not is_leader():
-                _report_sent(key, served)
-    except Exception as e:  # noqa: BLE001 - reported to the leader, raised below after the collectives
-        error = e
-    stage_s = time.perf_counter() - t0
+    key = state.next_key()
+    own = _stage_own(params, model_config, dtype, stager, serve, key)
     fn = canary(params)
     pushed, result = False, {}
     try:
         try:
-            shared = _share(key, [b.descriptor() for b in mine], error)
+            shared = _share(key, [b.descriptor() for b in own.mine], own.error)
         except Exception as e:  # noqa: BLE001 - the leader raises it inside the canary collective
             shared = e
-
-        def lead(logprobs) -> dict:  # the leader's push; the others follow its canary requests
-            from rljax.weight_sync.staging import StagedBuckets
-
-            wait = _SentWait(key, served) if serve is not None else None
-            try:
-                if isinstance(shared, Exception):
-                    raise shared
-                buckets, per_process = shared
-                metrics = push(StagedBuckets(buckets, per_process, wait), logprobs) if push else {}
-            finally:
-                if wait is not None:
-                    wait.release()
-            return metrics | {
-                "weight_sync/staged_bytes_max_process": float(max(per_process)),
-                "weight_sync/staged_bytes_min_process": float(min(per_process)),
-                "weight_sync/shard_stage_seconds": stage_s,  # the leader's own cast + copy + write
-            }
-
-        result = canary_collective(fn, lead if is_leader() else None)
-        pushed = error is None
+        lead = _leader(push, shared, own, key, serve is not None) if is_leader() else None
+        result = canary_collective(fn, lead)
+        pushed = own.error is None
     finally:
-        _retire(units, keep=keep and pushed)
-        if error is not None and not is_leader():
-            raise error
+        state.retire(own.units, keep=keep and pushed)
+        if own.error is not None and not is_leader():
+            raise own.error
     return result
 
 
-_KEPT: list = []  # this process's buckets (or served pushes) of the last push, kept for a recovery's re-push
+def _stage_own(params, model_config, dtype, stager, serve: Callable | None, key: str) -> _Staged:
+    """Step 1 of `push_sharded` on this process: cast, stage (and serve) the shards it owns. A failure is
+    kept in the result (reported to the leader, raised after the collectives), not raised here."""
+    from rljax import models
+
+    own, t0 = _Staged([], []), time.perf_counter()
+    try:
+        items = models.iter_owned_hf_slices(model_config, cast_params(params, dtype), dtype)
+        own.mine = own.units = stager.stage(items, first_index=jax.process_index() * BUCKETS_PER_PROCESS)
+        if serve is not None:
+            own.served = serve(own.mine)
+            own.mine, own.units = own.served.buckets, [own.served]
+            if not is_leader():
+                _report_sent(key, own.served)
+    except Exception as e:  # noqa: BLE001 - reported to the leader, raised after the collectives
+        own.error = e
+    own.seconds = time.perf_counter() - t0
+    return own
 
 
-def _retire(mine: list, keep: bool) -> None:
-    """Unlinks this push's buckets, or (keep) the previous push's, keeping this one's."""
-    if keep:
-        gone, _KEPT[:] = list(_KEPT), list(mine)
-    else:
-        gone = list(mine)
-    for b in gone:
-        b.unlink()
+def _leader(push: Callable | None, shared, own: _Staged, key: str, streamed: bool) -> Callable:
+    """The leader's side of the canary collective: `lead(logprobs)` pushes every process's buckets
+    (`shared`, or the exception that sharing them raised) and returns its metrics."""
 
+    def lead(logprobs) -> dict:
+        from rljax.weight_sync.staging import StagedBuckets
 
-def release_kept() -> None:
-    """Removes the kept push's buckets (and stops their servers): the run is over."""
-    _retire([], keep=True)
+        wait = _SentWait(key, own.served) if streamed else None
+        try:
+            if isinstance(shared, Exception):
+                raise shared
+            buckets, per_process = shared
+            metrics = push(StagedBuckets(buckets, per_process, wait), logprobs) if push else {}
+        finally:
+            if wait is not None:
+                wait.release()
+        return metrics | {
+            "weight_sync/staged_bytes_max_process": float(max(per_process)),
+            "weight_sync/staged_bytes_min_process": float(min(per_process)),
+            "weight_sync/shard_stage_seconds": own.seconds,  # the leader's own cast + copy + write
+        }
 
-
-_SYNCS = [0]  # pushes so far (the same on every process): a fresh key-value prefix per push
-
-
-def _client():
-    from jax._src import distributed as jax_distributed
-
-    return jax_distributed.global_state.client
+    return lead
 
 
 def _report_sent(key: str, served) -> None:
@@ -143,7 +171,7 @@ def _report_sent(key: str, served) -> None:
 
     def run() -> None:
         with contextlib.suppress(Exception):  # the leader gone or not waiting: nobody reads the report
-            client = _client()
+            client = kv_client()
             copies = int(client.blocking_key_value_get(f"{key}/copies", _SHARE_TIMEOUT_MS))
             ok = copies == 0 or served.wait_sent(copies, _SHARE_TIMEOUT_MS / 1000)
             client.key_value_set(f"{key}/sent/{me}", "1" if ok else "0")
@@ -162,7 +190,7 @@ class _SentWait:
     def __call__(self, copies: int, timeout_s: float) -> bool:
         if self._asked:  # the same push again (a recovery after a server restart): the others reported
             return False  # already, so nobody would answer; the load call waits for the bytes instead
-        client, self._asked = _client(), True
+        client, self._asked = kv_client(), True
         client.key_value_set(f"{self._key}/copies", str(int(copies)), allow_overwrite=True)
         ok = self._served is None or self._served.wait_sent(copies, timeout_s)
         for p in range(1, jax.process_count()):
@@ -174,7 +202,7 @@ class _SentWait:
         return ok
 
     def release(self) -> None:
-        client = _client()
+        client = kv_client()
         if not self._asked:
             with contextlib.suppress(Exception):
                 client.key_value_set(f"{self._key}/copies", "0", allow_overwrite=True)
@@ -188,7 +216,7 @@ def _share(key: str, descriptors: list[dict], error: BaseException | None):
     stage. Others: publish theirs (or their error) and return None."""
     from rljax.weight_sync.staging import Bucket
 
-    client = _client()
+    client = kv_client()
     value = json.dumps(
         {"error": None if error is None else f"{type(error).__name__}: {error}", "buckets": descriptors}
     )
@@ -275,7 +303,7 @@ def single_host() -> bool:
 
     if jax.process_count() == 1:
         return True
-    client = _client()
+    client = kv_client()
     key = f"rljax/host/{jax.process_index()}"
     client.key_value_set(key, json.dumps(socket.gethostname()), allow_overwrite=True)
     names = {

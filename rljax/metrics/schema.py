@@ -113,7 +113,9 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("advantages/std", "advantage", "std", f"Standard deviation (ddof=0) of the advantage over {_S}."),
     ("optim/grad_norm", "norm", "mean", "Global L2 norm of the gradient before clipping, mean over updates."),
     ("optim/lr", "1/step", "last", "Learning rate of the last optimizer update in the step."),
-    ("optim/skipped_steps", "count", "sum", "Optimizer updates skipped this step (non-finite loss/grads)."),
+    ("optim/skipped_steps", "count", "last",
+     "Consecutive optimizer updates skipped so far (non-finite loss/grads), after the step's last update; "
+     "the run stops at trainer.max_nonfinite_skips."),
     ("policy/version", "version", "last", "Policy version (completed weight updates) after this step."),
     ("rollout/policy_version", "version", "min",
      f"Oldest policy version among the weights that generated the {_S}."),

@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh
 
 from rljax.config import Config
+from rljax.metrics.values import combine_metrics
 from rljax.trainer.batch import TrainBatch
 from rljax.trainer.logprobs import make_logprob_fn
 from rljax.trainer.state import TrainState, batch_sharding, check_nonfinite, put_global, replicated
@@ -40,28 +41,11 @@ def make_select_rows(mesh: Mesh) -> Callable[[Any, jax.Array], Any]:
     return jax.jit(lambda tree, idx: jax.tree.map(lambda x: x[idx], tree), out_shardings=batch_sharding(mesh))
 
 
-# How per-step metrics combine over the steps of one update (default: mean).
-_LAST = ("optim/skipped_steps", "optim/lr")
-_SUM = ("optim/nonfinite",)
-_MAX = ("is/weight_max", GAP_MAX)
-
-
 def summarize(history: list[dict]) -> dict:
-    """Per-step host metrics -> one dict: means, except skipped_steps/lr (last), nonfinite (count of
-    skipped steps in this update), is/weight_max (max); adds optim/steps (steps run)."""
-    out = {}
-    for k in history[0]:
-        vals = np.array([h[k] for h in history], np.float64)
-        if k in _LAST:
-            out[k] = float(vals[-1])
-        elif k in _SUM:
-            out[k] = float(vals.sum())
-        elif k in _MAX:
-            out[k] = float(vals.max())
-        else:
-            out[k] = float(vals.mean())
-    out["optim/steps"] = float(len(history))
-    return out
+    """Per-step host metrics -> one dict, each name combined over the update's steps by its reduction in
+    the metric schema (`rljax.metrics.schema`, the one table: e.g. optim/lr and optim/skipped_steps last,
+    optim/nonfinite summed, is/weight_max max, the rest averaged); adds optim/steps (steps run)."""
+    return combine_metrics(history) | {"optim/steps": float(len(history))}
 
 
 def run_epochs(cfg: Config, mesh: Mesh, step: StepFn, state: TrainState, batch: TrainBatch) -> tuple:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -275,7 +275,6 @@ class WeightSyncer:
         self, buckets: list[Bucket], version: int, server, remote_sent=None
     ) -> tuple[float, float, int, bool | None]:
         o = self.options
-        mine = [b for b in buckets if b.source is None] if server is not None else []
 
         def info(bucket: Bucket) -> dict:  # the staged files live until the sync ends: the worker maps them
             d = bucket.update_info(copy=False)
@@ -288,23 +287,40 @@ class WeightSyncer:
 
         # tcp/zmq: the workers receive every bucket in the background before the pause.
         prefetch = bool(buckets) and (server is not None or any(b.source is not None for b in buckets))
-        if prefetch:
-            self._prefetch([info(b) for b in buckets])
-            # pause once the bytes are out (or a stream failed: the load call reports it)
-            # (one receiver per node: each bucket goes once to each host among the servers' urls)
-            copies, timeout_s = _hosts(self.urls), o.tcp_timeout_s * len(buckets)
-            sent = not mine or server.wait_sent(len(mine) * copies, timeout_s)
-            if len(mine) < len(buckets):  # served by the processes that staged them
-                sent = (remote_sent is not None and remote_sent(copies, timeout_s)) and sent
+        sent = self._send_ahead(buckets, info, server, remote_sent) if prefetch else None
         t_pause = time.perf_counter()
         for url in self.urls:
             self._post(
                 url, "/pause", params={"mode": "wait", "clear_cache": str(o.clear_prefix_cache).lower()}
             )
-        engine_s, nbytes = 0.0, 0
         self.gate.broken = "a weight sync was interrupted; the servers may hold mixed weights"
+        engine_s, nbytes = self._load_paused(buckets, info, version, started=prefetch)
+        for url in self.urls:
+            self._post(url, "/resume")
+        return time.perf_counter() - t_pause, engine_s, nbytes, sent
+
+    def _send_ahead(self, buckets: list[Bucket], info: Callable, server, remote_sent) -> bool:
+        """Starts every server's background receive of `buckets` and waits until the bytes are out (one
+        receiver per node: each bucket goes once to each host among the servers' urls): this process's
+        own from `server`, the others' by `remote_sent` (the processes that staged them serve them).
+        False when a stream failed or timed out (the load call then reports what failed)."""
+        self._prefetch([info(b) for b in buckets])
+        mine = [b for b in buckets if b.source is None] if server is not None else []
+        copies, timeout_s = _hosts(self.urls), self.options.tcp_timeout_s * len(buckets)
+        sent = not mine or server.wait_sent(len(mine) * copies, timeout_s)
+        if len(mine) < len(buckets):
+            sent = (remote_sent is not None and remote_sent(copies, timeout_s)) and sent
+        return sent
+
+    def _load_paused(
+        self, buckets: list[Bucket], info: Callable, version: int, started: bool
+    ) -> tuple[float, int]:
+        """On the paused servers: start the update (unless `_send_ahead` did), one load call for all the
+        buckets, finish it as `version`. (engine seconds, bytes). On any failure every server is finalized
+        (no layer stays on the meta device) and stays paused: the gate says the sync broke."""
+        o, engine_s, nbytes = self.options, 0.0, 0
         try:
-            for url in self.urls if not prefetch else ():
+            for url in self.urls if not started else ():
                 self._start_update(url)
             if buckets:  # one load call for all of them
                 t = time.perf_counter()
@@ -316,23 +332,17 @@ class WeightSyncer:
                 nbytes += sum(b.nbytes for b in buckets)
             t = time.perf_counter()
             for url in self.urls:
-                self._post(
-                    url,
-                    "/finish_weight_update",
-                    {"weight_version": str(version)},
-                    timeout_s=o.update_timeout_s,
-                )
+                body = {"weight_version": str(version)}
+                self._post(url, "/finish_weight_update", body, timeout_s=o.update_timeout_s)
             engine_s += time.perf_counter() - t
         except BaseException:
-            for url in self.urls:  # finalize so no layer stays on the meta device; stay paused (broken)
+            for url in self.urls:
                 try:
                     self._post(url, "/finish_weight_update", timeout_s=o.control_timeout_s)
                 except WeightSyncError:
                     pass
             raise
-        for url in self.urls:
-            self._post(url, "/resume")
-        return time.perf_counter() - t_pause, engine_s, nbytes, sent if prefetch else None
+        return engine_s, nbytes
 
     def _prefetch(self, infos: list[dict]) -> None:
         """`/start_weight_update` and a background receive of `infos` on every server (not paused)."""

@@ -37,17 +37,20 @@ def test_memo_scores_once_and_its_frozen_copy_answers_only_what_the_push_asked()
     assert len(calls) == 1  # the frozen copy never calls the (collective) scorer
 
 
-def test_retire_keeps_the_last_pushed_buckets_until_the_next_push_succeeds(monkeypatch):
-    monkeypatch.setattr(sharded_sync, "_KEPT", [])
+def test_retire_keeps_the_last_pushed_buckets_until_the_next_push_succeeds():
+    state = sharded_sync.PushState()
     first = [_Bucket("a"), _Bucket("b")]
-    sharded_sync._retire(first, keep=True)
-    assert not any(b.unlinked for b in first) and sharded_sync._KEPT == first
+    state.retire(first, keep=True)
+    assert not any(b.unlinked for b in first) and state.kept == first
     failed = [_Bucket("c")]
-    sharded_sync._retire(failed, keep=False)  # a failed push: its files go, the kept ones stay
-    assert failed[0].unlinked and sharded_sync._KEPT == first and not first[0].unlinked
+    state.retire(failed, keep=False)  # a failed push: its files go, the kept ones stay
+    assert failed[0].unlinked and state.kept == first and not first[0].unlinked
     second = [_Bucket("d")]
-    sharded_sync._retire(second, keep=True)
-    assert all(b.unlinked for b in first) and sharded_sync._KEPT == second and not second[0].unlinked
+    state.retire(second, keep=True)
+    assert all(b.unlinked for b in first) and state.kept == second and not second[0].unlinked
+    state.release()  # the run is over
+    assert second[0].unlinked and state.kept == []
+    assert [state.next_key(), state.next_key()] == ["rljax/ws/1", "rljax/ws/2"]  # a fresh prefix per push
 
 
 class _KeyValue:
@@ -76,7 +79,7 @@ class _Served:
 
 def test_the_leader_waits_for_every_process_once_per_push(monkeypatch):
     kv = _KeyValue()
-    monkeypatch.setattr(sharded_sync, "_client", lambda: kv)
+    monkeypatch.setattr(sharded_sync, "kv_client", lambda: kv)
     monkeypatch.setattr(sharded_sync.jax, "process_count", lambda: 3)
     kv.d.update({"rljax/ws/5/sent/1": "1", "rljax/ws/5/sent/2": "1"})
     wait = sharded_sync._SentWait("rljax/ws/5", _Served())

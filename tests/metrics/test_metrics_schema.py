@@ -94,15 +94,16 @@ def test_sync_doc_rewrites_a_stale_table(tmp_path, capsys):
 def test_combine_metrics_uses_each_reduction():
     parts = [
         {"loss/total": 1.0, "is/weight_max": 2.0, "optim/skipped_steps": 1, "optim/lr": 1e-3,
-         "staleness/hist": [3, 1], "rollout/policy_version": 7, "custom/x": 1.0},
+         "staleness/hist": [3, 1], "rollout/policy_version": 7, "custom/x": 1.0, "optim/nonfinite": 1.0},
         {"loss/total": np.float32(3.0), "is/weight_max": 5.0, "optim/skipped_steps": 0, "optim/lr": 5e-4,
-         "staleness/hist": {0: 1, 2: 4}, "rollout/policy_version": 5},
+         "staleness/hist": {0: 1, 2: 4}, "rollout/policy_version": 5, "optim/nonfinite": 0.0},
     ]  # fmt: skip
     out = combine_metrics(parts)
     assert out == {
         "loss/total": 2.0,  # mean
         "is/weight_max": 5.0,  # max
-        "optim/skipped_steps": 1,  # sum
+        "optim/skipped_steps": 0,  # last: the consecutive-skip counter after the last update
+        "optim/nonfinite": 1.0,  # sum
         "optim/lr": 5e-4,  # last
         "staleness/hist": [4, 1, 4],  # counts added, padded
         "rollout/policy_version": 5,  # min

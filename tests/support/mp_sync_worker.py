@@ -68,7 +68,6 @@ def main(process_id: int, port: int, ckpt: str, url: str, token_file: str, out_d
     from jax.experimental import multihost_utils
 
     from rljax import models
-    from rljax.loop import sharded_sync
     from rljax.loop.engine import Follower, JaxWeights, ShardedJaxWeights, make_canary_logprobs
     from rljax.rollout import RolloutEngine
     from rljax.rollout.auth import read_token_file
@@ -101,14 +100,14 @@ def main(process_id: int, port: int, ckpt: str, url: str, token_file: str, out_d
     loop = engine if engine is not None else Follower(weights)
     params2 = perturbed(params, seed=8)
     results.append(loop.push_weights(params2, 2))
-    sent = sum(u.bytes_sent() for u in sharded_sync._KEPT)  # this process's server, the tcp push
+    sent = sum(u.bytes_sent() for u in weights.state.kept)  # this process's server, the tcp push
     if engine is not None:  # a recovery's re-push: the leader alone, the kept files and canary answers
         kept, version = engine._current
         results.append(engine._push_attempt(kept(), version))
     hlo = cast_hlo_facts(params2)
     run_dir = stager._run_dir.path
     leftover = sorted(f for f in os.listdir(run_dir) if not f.startswith("."))
-    kept_names = sorted(os.path.basename(b.path) for u in sharded_sync._KEPT for b in u.buckets)
+    kept_names = sorted(os.path.basename(b.path) for u in weights.state.kept for b in u.buckets)
     full = multihost_utils.process_allgather(params2, tiled=True)  # the reference only, after the syncs
     if process_id == 0:
         state = dict(models.iter_hf_tensors(model_config, full))

@@ -244,3 +244,23 @@ def test_geometric_is_level_reaches_the_step(ref):
     capped = (row_w > cfg.algo.is_cap) * mask.sum(1)
     np.testing.assert_allclose(float(metrics["is/frac_capped"]), capped.sum() / mask.sum(), rtol=1e-6)
     assert float(metrics["is/weight_max"]) < ref.metrics["is/weight_max"]  # a row mean is below its max
+
+
+def test_an_updates_metrics_combine_by_the_metric_schema():
+    """`summarize` (over an update's optimizer steps) and the host (over a step's parts) read one table."""
+    from rljax.metrics.schema import lookup
+    from rljax.trainer.update import summarize
+
+    history = [
+        {"loss/total": 1.0, "optim/skipped_steps": 1.0, "optim/nonfinite": 1.0, "is/weight_max": 3.0},
+        {"loss/total": 3.0, "optim/skipped_steps": 0.0, "optim/nonfinite": 0.0, "is/weight_max": 2.0},
+    ]
+    out = summarize(history)
+    assert out == {
+        "loss/total": 2.0,
+        "optim/skipped_steps": 0.0,  # the consecutive-skip counter after the last step
+        "optim/nonfinite": 1.0,
+        "is/weight_max": 3.0,
+        "optim/steps": 2.0,
+    }
+    assert [lookup(k).reduction for k in ("optim/skipped_steps", "optim/nonfinite")] == ["last", "sum"]
