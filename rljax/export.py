@@ -90,8 +90,7 @@ def policy_config(cfg: Any, model_dir: Path) -> Any:
     from rljax import models
     from rljax.trainer.state import model_decoder, resolve_model_config
 
-    hf = json.loads((model_dir / "config.json").read_text())
-    return resolve_model_config(cfg, models.ModelConfig.from_hf_dict(hf, decoder=model_decoder(cfg)))
+    return resolve_model_config(cfg, models.read_model_config(model_dir, decoder=model_decoder(cfg)))
 
 
 def restore_params(step_dir: Path, model_config: Any) -> dict:

@@ -20,9 +20,7 @@ Usage (8 simulated CPU devices stand in for 8 accelerators):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import time
 from typing import Any
 
@@ -114,12 +112,6 @@ def shapes_from_config(cfg: Config) -> TrainShapes:
     return TrainShapes(rows=rows, seq_len=seq_len, train_rows=rows // cfg.trainer.minibatches)
 
 
-def read_model_config(model_path: str) -> models.ModelConfig:
-    """The ModelConfig of `<model_path>/config.json` (shapes only; no weights are read)."""
-    with open(os.path.join(model_path, "config.json")) as f:
-        return models.ModelConfig.from_hf_dict(json.load(f))
-
-
 # ---------------------------------------------------------------------------------- abstract inputs
 def with_shardings(abstract: Any, shardings: Any) -> Any:
     """ShapeDtypeStruct tree `abstract` with each leaf carrying its NamedSharding from `shardings`."""
@@ -182,7 +174,7 @@ def abstract_train_batch(cfg: Config, rows: int, seq_len: int, mesh: Mesh) -> Tr
         inputs=inputs,
         old_logp=token,
         advantages=token if critic else inputs.advantages,
-        ref_logp=token if cfg.algo.beta > 0 else None,
+        ref_logp=token if cfg.algo.needs_reference else None,
         returns=token if critic else None,
         old_values=token if critic else None,
     )
@@ -242,7 +234,7 @@ def compiled_train_memory(
     state = abstract_train_state(cfg, model_config, mesh, optimizer)
     full = abstract_train_batch(cfg, shapes.rows, shapes.seq_len, mesh)
     minibatch = abstract_train_batch(cfg, shapes.train_rows, shapes.seq_len, mesh)
-    ref = device_bytes(state.params) if cfg.algo.beta > 0 else 0
+    ref = device_bytes(state.params) if cfg.algo.needs_reference else 0
     batch_held = device_bytes(full) if shapes.train_rows < shapes.rows else 0
     others = device_bytes(state) - device_bytes(state.params)  # optimizer state(s), critic
     step = make_family_train_step(cfg, model_config, mesh, optimizer=optimizer)  # trainer.FAMILY_STEPS
@@ -258,7 +250,7 @@ def compiled_train_memory(
             with_hlo=with_hlo,
         ),
     }
-    if cfg.algo.beta > 0:
+    if cfg.algo.needs_reference:
         held = device_bytes(state) + device_bytes(full.old_logp)
         report["ref_logprobs"] = dataclasses.replace(report["old_logprobs"], resident_bytes=held)
     return report

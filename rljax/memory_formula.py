@@ -3,29 +3,19 @@ compiled (`rljax.memory` reads the real numbers from the compiler; `rljax.prefli
 
 `read_model_shape` reads a checkpoint's sizes from its config.json; `estimate_train_memory` splits the
 bytes one device holds into parts; `estimated_peak` adds them up. The remat policy, optimizer and algorithm
-family enter through their registries (`KEEPS_ACTIVATIONS`, `rljax.trainer.optim.OPTIMIZERS`,
+family enter through their registries (`rljax.models.REMAT_POLICIES`, `rljax.trainer.optim.OPTIMIZERS`,
 `rljax.algos.FAMILIES`). Checked against compiled numbers in tests/test_preflight.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 from rljax import config as config_lib
 from rljax.config import Config
-from rljax.registry import Registry
+from rljax.hf_config import read_hf_config
 
 LOGPROB_CHUNK = 4096  # vocab chunk width of rljax.kernels' fused log-prob impls (kernels/xla.py)
-
-# The hand formula's reading of each remat policy (rljax.models.REMAT_POLICIES, same names: a test checks):
-# True where the backward pass keeps every layer's activations; False where it keeps each layer's input
-# and recomputes one layer at a time (the dots_* policies keep some matmul outputs too: a lower bound).
-KEEPS_ACTIVATIONS: Registry[bool] = Registry("remat policy")
-KEEPS_ACTIVATIONS.add("none", True)
-for _name in ("full", "dots_saveable", "dots_with_no_batch_dims_saveable"):
-    KEEPS_ACTIVATIONS.add(_name, False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +48,7 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def read_model_shape(model_path: str) -> ModelShape:
     """ModelShape from `<model_path>/config.json` (Qwen2, Qwen3, Llama field names)."""
-    with open(os.path.join(model_path, "config.json")) as f:
-        c = json.load(f)
+    c = read_hf_config(model_path)
     heads = int(c["num_attention_heads"])
     return ModelShape(
         vocab=int(c["vocab_size"]),
@@ -74,6 +63,14 @@ def read_model_shape(model_path: str) -> ModelShape:
         qk_norm=c.get("model_type") == "qwen3",
         serve_bytes=_DTYPE_BYTES.get(str(c.get("torch_dtype") or c.get("dtype") or "bfloat16"), 2),
     )
+
+
+def keeps_activations(remat: str) -> bool:
+    """Whether the remat policy `remat` keeps every layer's activations for the backward pass: the formula's
+    reading of it, registered with the policy itself (`rljax.models.remat.RematPolicy`)."""
+    from rljax.models.remat import REMAT_POLICIES  # imports jax: after initialize_jax
+
+    return REMAT_POLICIES.get(remat).keeps_activations
 
 
 def _layer_activation_bytes(cfg: Config, shape: ModelShape, seqs: int, seq_len: int, tensor: int) -> float:
@@ -108,7 +105,7 @@ def estimate_train_memory(cfg: Config, shape: ModelShape, num_devices: int) -> d
     seqs = max(1, (cfg.trainer.micro_batch_size or minibatch) // data_parallel)
     seq_len = cfg.rollout.vllm.max_model_len  # the longest length bucket
     tokens, layer = seqs * seq_len, _layer_activation_bytes(cfg, shape, seqs, seq_len, sizes["tensor"])
-    if KEEPS_ACTIVATIONS.get(cfg.model.remat):
+    if keeps_activations(cfg.model.remat):
         activations = shape.layers * layer
     else:  # layer inputs kept, one layer recomputed at a time
         activations = shape.layers * tokens * shape.hidden * _DTYPE_BYTES[cfg.model.compute_dtype] + layer
@@ -120,7 +117,7 @@ def estimate_train_memory(cfg: Config, shape: ModelShape, num_devices: int) -> d
     return {
         "params": params,
         "optimizer": moments * params,
-        "reference": params if cfg.algo.beta > 0 else 0.0,
+        "reference": params if cfg.algo.needs_reference else 0.0,
         # its params, grads and optimizer moments
         "critic": (2 + moments) * params if config_lib.algo_family(cfg).critic else 0.0,
         "grads": params,

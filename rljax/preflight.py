@@ -26,10 +26,10 @@ from rljax import config as config_lib
 from rljax import runtime
 from rljax.config import Config
 from rljax.memory_formula import (  # the hand formula (the fallback); its names stay reachable from here
-    KEEPS_ACTIVATIONS,
     ModelShape,
     estimate_train_memory,
     estimated_peak,
+    keeps_activations,
     read_model_shape,
 )
 
@@ -100,13 +100,13 @@ def compiled_memory(cfg: Config, num_devices: int) -> tuple[dict | None, str]:
     that cannot be traced or sharded here fails the run as well)."""
     import jax  # after runtime.initialize_jax has set the device count
 
-    from rljax import memory
+    from rljax import memory, models
     from rljax.sharding import make_mesh
 
     if jax.device_count() != num_devices:
         return None, f"this process sees {jax.device_count()} devices, the check is for {num_devices}"
     try:
-        model_config = memory.read_model_config(cfg.model.path)
+        model_config = models.read_model_config(cfg.model.path)
     except ValueError as e:  # an architecture the trainer cannot build: the formula still applies
         return None, f"model.path config.json: {e}"
     mesh = make_mesh(**config_lib.mesh_shape(cfg.mesh, num_devices))
@@ -156,7 +156,7 @@ def check_memory(
     if total + reserved <= budget:
         return []
     vllm = f" + vLLM's {reserved / GIB:.2f} GiB (rollout.vllm.gpu_memory_utilization)" if reserved else ""
-    remat = ", or set model.remat=full" if KEEPS_ACTIVATIONS.get(cfg.model.remat) else ""
+    remat = ", or set model.remat=full" if keeps_activations(cfg.model.remat) else ""
     return [
         f"memory: the trainer needs {total / GIB:.2f} GiB per device ({detail}){vllm}, but a device has "
         f"{budget / GIB:.2f} GiB ({source}); shard more (mesh.fsdp/tensor) or lower "

@@ -102,7 +102,7 @@ def replay(workdir: str, step: int) -> Verdict:
         checkpointer.close()
     update = trainer.make_family_update(cfg, model_config, mesh)
     batch, _ = trainer.prepare_batch(cfg, load_batch(batch_file), mesh)
-    got, _ = update(state, batch, params if cfg.algo.beta > 0 else None)
+    got, _ = update(state, batch, params if cfg.algo.needs_reference else None)
     return compare_trees(got, want)
 
 

@@ -88,6 +88,20 @@ def test_no_module_over_400_lines():
 MAX_FUNCTION_LINES = 60
 
 
+def test_whether_a_reference_is_needed_is_derived_once():
+    """`algo.needs_reference` is the one place `beta > 0` is decided; elsewhere nothing compares beta."""
+    found = []
+    for p in modules():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                isinstance(x, ast.Attribute) and x.attr == "beta" for x in [node.left, *node.comparators]
+            ):
+                found.append(f"{rel(p)}:{node.lineno}")
+    assert found == ["rljax/config/schema.py:61"] or (
+        len(found) == 1 and found[0].startswith("rljax/config/")
+    ), found
+
+
 def test_no_function_over_60_lines():
     """A function (or method) of rljax, from its `def` to its last line, docstring included."""
     long = []

@@ -28,6 +28,7 @@ RULES = {
         "rljax.kernels",
         "rljax.sharding",
         "rljax.registry",
+        "rljax.hf_config",
         "transformers",
         "torch",
         "tokenizers",

@@ -316,11 +316,17 @@ def test_cli_fails_on_the_memory_budget_with_compiled_numbers(qwen):
     assert len(fails) == 1 and "FAIL memory:" in fails[0] and "(mesh.device_memory_gib)" in fails[0], fails
 
 
-def test_the_hand_formula_knows_every_remat_policy():
-    from rljax.memory_formula import KEEPS_ACTIVATIONS
+def test_the_hand_formula_reads_each_remat_policy_from_its_registration():
+    from rljax.memory_formula import keeps_activations
     from rljax.models.remat import REMAT_POLICIES
 
-    assert KEEPS_ACTIVATIONS.names() == REMAT_POLICIES.names()
+    kept = {name: keeps_activations(name) for name in REMAT_POLICIES.names()}
+    assert kept == {
+        "none": True,  # every layer's activations
+        "full": False,  # each layer's input, one layer recomputed at a time
+        "dots_saveable": False,
+        "dots_with_no_batch_dims_saveable": False,
+    }
 
 
 SMOLLM2 = "smollm2-135m-instruct"

@@ -7,7 +7,6 @@ CLI before it sets the platform and device-count flags that JAX reads (rljax.run
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -74,8 +73,7 @@ def read_model_config(path: str, decoder: str = "") -> Any:
     from rljax import models
 
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            return models.ModelConfig.from_hf_dict(json.load(f), decoder=decoder)
+        return models.read_model_config(path, decoder=decoder)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError) as e:
         # any malformed config.json (not JSON, not an object, missing or ill-typed or zero sizes)
         raise ConfigError("model.path", f"{path}/config.json: {type(e).__name__}: {e}") from e

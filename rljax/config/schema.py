@@ -54,6 +54,12 @@ class AlgoConfig:
     vf_coef: float = 0.5
     value_clip: float = 0.2  # 0 disables value clipping
 
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the run computes reference-policy log-probs (and keeps the reference params): beta > 0.
+        Every place that asks reads this, not the coefficient."""
+        return self.beta > 0
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -123,7 +123,11 @@ class JaxSnapshot:
     logprobs: _Memo  # the training path's canary answers of this push (`EarlyCanary`)
 
     def tensors(self):
+        """`(hf_name, array)` in the serving layout and dtype, converted one tensor at a time."""
         return models.iter_hf_tensors(self.model_config, self.host, self.dtype)
+
+    def push(self, syncer, version: int) -> dict:
+        return syncer.push_weights(self.tensors(), version, self.logprobs)
 
     def keep(self) -> Callable[[], JaxSnapshot]:
         """A host copy of the weights (the next update donates the device arrays) and the canary's
@@ -225,8 +229,8 @@ class _StagedSnapshot:
     staged: Any
     logprobs: _Memo
 
-    def tensors(self):
-        return self.staged  # already staged: the syncer passes them through
+    def push(self, syncer, version: int) -> dict:
+        return syncer.push_staged(self.staged, version, self.logprobs)
 
     def keep(self) -> Callable[[], _StagedSnapshot]:
         # the files (and their servers) stay until the next push; a re-push does not wait on the others

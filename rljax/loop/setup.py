@@ -200,7 +200,7 @@ def make_trainer(cfg: Config, model_config: models.ModelConfig, mesh: Mesh, para
         update=trainer.make_family_update(cfg, model_config, mesh),
         prepare_batch=lambda b: trainer.prepare_batch(cfg, b, mesh),
         advantages=make_advantages(cfg),
-        ref_params=params if cfg.algo.beta > 0 else None,
+        ref_params=params if cfg.algo.needs_reference else None,
         batch_template=batch_template(cfg),
     )
 

@@ -16,6 +16,7 @@ from rljax.models.hf import (
     iter_owned_hf_slices,
     load_hf_checkpoint,
     load_tokenizer,
+    read_model_config,
     save_hf_checkpoint,
 )
 from rljax.models.model import (
@@ -61,6 +62,7 @@ __all__ = [
     "iter_owned_hf_slices",
     "load_hf_checkpoint",
     "load_tokenizer",
+    "read_model_config",
     "logits_from_hidden",
     "param_entries",
     "param_logical_axes",

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 
+from rljax.hf_config import read_hf_config
 from rljax.models.config import ModelConfig
 from rljax.models.model import param_entries, param_logical_axes
 from rljax.models.params import ParamEntry, get_path, hf_blocks, nest_paths
@@ -186,13 +187,19 @@ def _open_safetensors(file: Path) -> Any:
         raise CheckpointFormatError(f"{file}: not a readable safetensors file ({e})") from e
 
 
+def read_model_config(path: str | Path, **kwargs: Any) -> ModelConfig:
+    """The `ModelConfig` (shapes only, no weights) of the checkpoint directory `path`; `kwargs` go to
+    `ModelConfig.from_hf_dict` (dtypes, `decoder`); its `config.json` read by `rljax.hf_config`."""
+    return ModelConfig.from_hf_dict(read_hf_config(path), **kwargs)
+
+
 def check_hf_checkpoint(path: str | Path) -> ModelConfig:
     """The ModelConfig of a local checkpoint dir after reading config.json and every safetensors header
     (no tensor data) and checking each tensor's name and shape against the config; raises
     CheckpointFormatError (or FileNotFoundError / ValueError) naming the file otherwise."""
     path = Path(path)
     try:
-        config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+        config = read_model_config(path)
     except (ValueError, KeyError, TypeError, AttributeError, ArithmeticError) as e:
         raise CheckpointFormatError(f"{path / 'config.json'}: {type(e).__name__}: {e}") from e
     _check_tensors(config, _TensorSource(path), path)
@@ -288,9 +295,8 @@ def load_hf_checkpoint(
     params layout and HF table the tensors are loaded into; default the built-in one of the family.
     """
     path = Path(path)
-    hf = json.loads((path / "config.json").read_text())
     name = None if dtype is None else jnp.dtype(dtype).name
-    config = ModelConfig.from_hf_dict(hf, param_dtype=name, compute_dtype=name, decoder=decoder)
+    config = read_model_config(path, param_dtype=name, compute_dtype=name, decoder=decoder)
     source = _TensorSource(path)
     _check_tensors(config, source, path)
     if mesh is not None:

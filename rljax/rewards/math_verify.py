@@ -19,7 +19,6 @@ thread after 3 * timeout_s. The reward pool's per-call kill is the outer bound.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import math
 import re
@@ -212,12 +211,15 @@ def grade_answer(
 
     `timeout_s` (rounded up to whole seconds: signal.alarm) bounds each parse and comparison with SIGALRM
     in a main thread; off it, where signals cannot be used, math-verify's timeouts are off and
-    `_ThreadDeadline` bounds the whole at 3 * timeout_s.
+    `_ThreadDeadline` bounds the whole at 3 * timeout_s. In a main thread `_ThreadDeadline` is the
+    backstop, one second after the three alarms would have fired: an alarm can be lost (SIGALRM blocked
+    or its timer re-armed by other code in the process; seen once in a long-lived test worker, where a
+    symbolic determinant then ran for minutes).
     """
     in_main = threading.current_thread() is threading.main_thread()
     timeout = max(1, math.ceil(timeout_s)) if in_main else None
     try:
-        with contextlib.nullcontext() if in_main else _ThreadDeadline(3 * timeout_s):
+        with _ThreadDeadline(3 * timeout + 1 if in_main else 3 * timeout_s):
             if _too_nested(answer):
                 return False
             gold = parse(reference, _TARGETS, parsing_timeout=timeout)

@@ -36,16 +36,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
 from rljax.config import DEFAULTS
+from rljax.hf_config import read_hf_config
 from rljax.rollout import placement
 from rljax.rollout.auth import bearer_headers
 from rljax.rollout.background import BackgroundPush
@@ -65,10 +64,11 @@ from rljax.weight_sync.wire import read_checkpoint_spec
 
 
 class Snapshot(Protocol):
-    """One version of the policy's weights, as a push needs them."""
+    """One version of the policy's weights; its type says how it is pushed (host tensors the syncer stages:
+    `WeightSyncer.push_weights`; buckets every trainer process staged already: `push_staged`)."""
 
-    def tensors(self) -> Iterable[tuple[str, np.ndarray]]:
-        """`(hf_name, array)` in the serving layout and dtype; a fresh iterable on every call."""
+    def push(self, syncer: WeightSyncer, version: int) -> dict[str, float]:
+        """Pushes these weights through `syncer` as policy `version` (a fresh push on every call)."""
 
     def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> np.ndarray:
         """f32[C]: the trainer's log-probs (temperature 1) of `completion_ids` (the canary's trainer side)."""
@@ -110,6 +110,9 @@ class _Items:
 
     def tensors(self) -> Iterable[tuple]:
         return iter(self.items)
+
+    def push(self, syncer: WeightSyncer, version: int) -> dict[str, float]:
+        return syncer.push_weights(self.tensors(), version, self.logprobs)
 
     def keep(self) -> Callable[[], _Items]:
         kept = _Items(list(self.items), self.logprobs)  # host arrays the caller does not donate
@@ -203,7 +206,7 @@ class RolloutEngine:
         token = token if token is not None else next(iter(tokens), None)
         headers, gate = bearer_headers(token), PolicyGate(version)
         model = served_model_name(urls[0], headers=headers)
-        vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+        vocab = read_hf_config(model_path)["vocab_size"]
         client = RolloutClient(urls, model, gate=gate, options=client_options, token=token)
         syncer = WeightSyncer(
             list(urls),
@@ -302,7 +305,7 @@ class RolloutEngine:
 
     def _push_attempt(self, snapshot: Snapshot, version: int) -> dict[str, float]:
         """One push of `snapshot` (recovery repeats it), then every server must report `version`."""
-        metrics = self.syncer.push_weights(snapshot.tensors(), version, snapshot.logprobs)
+        metrics = snapshot.push(self.syncer, version)
         for url in self.urls:
             served = self.syncer.server_version(url)
             if served != str(version):

@@ -41,6 +41,6 @@ def update_flops(
     attention = model_config.num_layers * model_config.num_heads * model_config.head_dim * row_length
     train, forward = 6.0 * num_params + 12.0 * attention, 2.0 * num_params + 4.0 * attention
     policy = cfg.trainer.epochs * train + forward * (
-        int(cfg.algo.beta > 0) + int(critic or not on_policy_shortcut(cfg))
+        int(cfg.algo.needs_reference) + int(critic or not on_policy_shortcut(cfg))
     )
     return tokens * (policy + (cfg.trainer.epochs * train + forward if critic else 0.0))

@@ -80,7 +80,7 @@ def make_policy_loss(
     a = cfg.algo
     policy_loss = functools.partial(algos.POLICY_LOSSES.get(a.policy_loss), **algos_policy_options(cfg))
     aggregate = algos.LOSS_AGGREGATIONS.get(a.aggregation)
-    kl_fn = algos.KL_ESTIMATORS.get(a.kl_estimator) if a.beta > 0 else None
+    kl_fn = algos.KL_ESTIMATORS.get(a.kl_estimator) if a.needs_reference else None
     model_config, impl = resolve_model_config(cfg, model_config), cfg.trainer.logprob_impl
 
     def loss_fn(params, mb: TrainBatch, norms: dict):

@@ -149,7 +149,7 @@ def make_separate_pass_update(
 
 def reference_logprobs(cfg: Config, logprob_fn: Callable, ref_params: Any, batch: LossInputs):
     """f32[B,T] reference log-probs when algo.beta > 0 (ref_params required), else None."""
-    if cfg.algo.beta <= 0:
+    if not cfg.algo.needs_reference:
         return None
     if ref_params is None:
         raise ValueError(

@@ -125,9 +125,9 @@ class Bucket:
 
 @dataclasses.dataclass(frozen=True)
 class StagedBuckets:
-    """Buckets already staged by every process of a job (sharded staging): `stage_buckets` (and so
-    `WeightSyncer.push_weights`) passes them on as they are, and their files are left to the processes that
-    wrote them (`Bucket.owned` False). `per_process` is each process's staged tensor bytes."""
+    """Buckets already staged by every process of a job (sharded staging): `WeightSyncer.push_staged` pushes
+    them as they are, and their files are left to the processes that wrote them (`Bucket.owned` False).
+    `per_process` is each process's staged tensor bytes."""
 
     buckets: list[Bucket]
     per_process: tuple[int, ...] = ()
@@ -233,9 +233,6 @@ def stage_buckets(
     written is removed; buckets already yielded belong to the caller. Buckets are numbered from
     `first_index`.
     """
-    if isinstance(tensors, StagedBuckets):  # staged already, by every process of the job
-        yield from tensors.buckets
-        return
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     prefix = prefix or f"bucket-{uuid.uuid4().hex[:8]}"

@@ -1,6 +1,7 @@
 """Trainer side of a weight sync: stage -> pause -> load through vLLM's RL endpoints -> verify -> resume.
 
-One `WeightSyncer.push_weights(tensors, version, trainer_logprobs)` call (the engine's push, one level down):
+One `WeightSyncer.push_weights(tensors, version, trainer_logprobs)` call (the engine's push, one level down;
+`push_staged` for buckets every process of a job staged already, `weight_sync.staging.StagedBuckets`):
 
 1. stage: `tensors` (e.g. `rljax.models.iter_hf_tensors(config, params)`) into bucket files
    (`staging.stage_buckets`), names and shapes checked against the served checkpoint, all before the
@@ -45,6 +46,7 @@ from rljax.weight_sync.staging import (
     DEFAULT_STAGING_DIR,
     Bucket,
     RunDir,
+    StagedBuckets,
     stage_buckets,
     sweep_stale_run_dirs,
 )
@@ -192,12 +194,25 @@ class WeightSyncer:
         version: int,
         trainer_logprobs: canary_lib.TrainerLogprobs,
     ) -> dict[str, float]:
-        """Pushes `tensors` to every server as policy `version`, verifies, resumes; returns metrics."""
+        """Stages `tensors` (host arrays, `(hf_name, array)` items) and pushes them to every server as policy
+        `version`, verifies, resumes; returns metrics."""
+        return self._push_buckets(lambda: self._stage(tensors), version, trainer_logprobs, remote_sent=None)
+
+    def push_staged(
+        self, staged: StagedBuckets, version: int, trainer_logprobs: canary_lib.TrainerLogprobs
+    ) -> dict[str, float]:
+        """Pushes buckets that every process of a multi-process job staged already (sharded staging, their
+        files left to the processes that wrote them); those with a `source` are served by their process
+        (`staged.wait_sent`). Otherwise as `push_weights`."""
+        return self._push_buckets(lambda: staged.buckets, version, trainer_logprobs, staged.wait_sent)
+
+    def _push_buckets(
+        self, stage: Callable[[], Iterable[Bucket]], version: int, trainer_logprobs, remote_sent
+    ) -> dict[str, float]:
         t0 = time.perf_counter()
         staged: list[Bucket] = []
-        remote_sent = getattr(tensors, "wait_sent", None)  # `StagedBuckets` served by their processes
         try:
-            staged = self._checked(lambda: list(self._stage(tensors)))
+            staged = self._checked(lambda: list(stage()))
             self._check_complete(staged)
             t_staged = time.perf_counter()
             with self.gate.exclusive(self.options.update_timeout_s):

@@ -30,7 +30,7 @@ def test_memo_scores_once_and_its_frozen_copy_answers_only_what_the_push_asked()
     assert calls == [([1, 2], [3])]
     staged = StagedBuckets(["bucket"], (1,), wait_sent=lambda copies, timeout_s: True)
     kept = _StagedSnapshot(staged=staged, logprobs=memo).keep()()
-    assert kept.tensors().buckets == ["bucket"] and kept.tensors().wait_sent is None
+    assert kept.staged.buckets == ["bucket"] and kept.staged.wait_sent is None
     assert kept.logprobs([1, 2], [3])[0] == 6.0
     with pytest.raises(WeightSyncError, match="did not see"):
         kept.logprobs([1, 2], [4])  # a different greedy answer: the re-push cannot be verified

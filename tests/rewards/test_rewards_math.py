@@ -235,3 +235,35 @@ def test_resolve_builtin_and_custom():
         resolve("os.path:sep")
     with pytest.raises(KeyError, match="valid names"):
         resolve("maht")
+
+
+_LOST_ALARM = """
+import signal, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import test_rewards_math as T
+
+def cancel_alarms():  # other code in the process re-arms the one process timer: math-verify's alarms are lost
+    while True:
+        signal.alarm(0)
+        time.sleep(0.02)
+
+threading.Thread(target=cancel_alarms, daemon=True).start()
+start = time.monotonic()
+value = T.score("math", T._ADVERSARIAL["12x12 symbolic determinant"], "12", timeout_s=1)
+print(value, time.monotonic() - start)
+"""
+
+
+def test_a_lost_alarm_in_the_main_thread_is_still_bounded():
+    """Math-Verify bounds a main-thread parse with SIGALRM; with its alarm lost (cancelled here by other
+    code; seen once in a long-lived test worker) the determinant runs for minutes unless the backstop
+    deadline ends it."""
+    import subprocess
+    import sys
+
+    here = str(__import__("pathlib").Path(__file__).parent)
+    out = subprocess.run(
+        [sys.executable, "-c", _LOST_ALARM, here], capture_output=True, text=True, timeout=120, check=True
+    )
+    value, seconds = out.stdout.split()
+    assert float(value) == 0.0 and float(seconds) < 20.0, out.stdout
