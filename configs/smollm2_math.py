@@ -57,14 +57,17 @@ def get_config(preset=None):
     cfg.data.eval_size = 128
     cfg.reward.functions = ("math",)
     cfg.reward.eval_function = "math"
-    cfg.rollout.batch_size = 32  # 4 prompts x 8 completions
-    cfg.rollout.group_size = 8
+    # 4 prompts x 16 completions: at a base pass@1 of ~0.05, a group of 8 is all-wrong (no gradient) for
+    # 66% of prompts, a group of 16 for 44%. Measured at 32 (8 per group, lr 2e-5): held-out 0.023 -> 0.047
+    # in 20 steps; at 64 (16 per group, lr 4e-5): 0.023 -> 0.148.
+    cfg.rollout.batch_size = 64
+    cfg.rollout.group_size = 16
     cfg.rollout.max_tokens = 256
     cfg.rollout.temperature = 0.7
     cfg.rollout.eval_temperature = 0.7
     cfg.rollout.vllm.max_model_len = 1024
     cfg.rollout.vllm.kvcache_space_gib = 2
-    cfg.optim.learning_rate = 2e-5
+    cfg.optim.learning_rate = 4e-5
     cfg.trainer.steps = 20
     cfg.trainer.eval_every = 10
     # Packed rows of ~4 sequences (prompt ~130 + completion ~120 tokens): a longer row spends more of the
