@@ -69,17 +69,25 @@ HOST_MODULES = (
 )
 
 
-def imports_of(path: pathlib.Path) -> set[str]:
+def import_lines(path: pathlib.Path) -> dict[str, int]:
+    """{imported name: the first line importing it} of the module at `path`, imports inside functions too."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    names = set()
+    lines: dict[str, int] = {}
     for node in ast.walk(tree):
+        names = []
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if node.module != "rljax":  # `from rljax import algos` imports rljax.algos, not all of rljax
-                names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+                names.append(node.module)
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+        for name in names:
+            lines[name] = min(lines.get(name, node.lineno), node.lineno)
+    return lines
+
+
+def imports_of(path: pathlib.Path) -> set[str]:
+    return set(import_lines(path))
 
 
 def allowed(name: str, allow: set[str]) -> bool:
@@ -277,15 +285,10 @@ def package_graph() -> dict[str, dict[str, str]]:
     graph: dict[str, dict[str, str]] = {}
     for f in sorted((REPO / "rljax").rglob("*.py")):
         src = unit_of(module_name(f))
-        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-            else:
-                continue
-            for dst in {unit_of(n) for n in names} - {None, src}:
-                graph.setdefault(src, {}).setdefault(dst, f"{f.relative_to(REPO)}:{node.lineno}")
+        for name, line in sorted(import_lines(f).items(), key=lambda item: item[1]):
+            dst = unit_of(name)
+            if dst not in (None, src):
+                graph.setdefault(src, {}).setdefault(dst, f"{f.relative_to(REPO)}:{line}")
     return graph
 
 

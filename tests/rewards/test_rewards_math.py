@@ -1,6 +1,9 @@
 """Verifiers without processes: math (Math-Verify), format, length penalties, countdown, resolve."""
 
 import concurrent.futures
+import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -258,10 +261,7 @@ def test_a_lost_alarm_in_the_main_thread_is_still_bounded():
     """Math-Verify bounds a main-thread parse with SIGALRM; with its alarm lost (cancelled here by other
     code; seen once in a long-lived test worker) the determinant runs for minutes unless the backstop
     deadline ends it."""
-    import subprocess
-    import sys
-
-    here = str(__import__("pathlib").Path(__file__).parent)
+    here = str(pathlib.Path(__file__).parent)
     out = subprocess.run(
         [sys.executable, "-c", _LOST_ALARM, here], capture_output=True, text=True, timeout=120, check=True
     )
