@@ -104,10 +104,8 @@ def evaluate(
     from rljax.rollout.server import options_from_config
 
     engine = RolloutEngine.launch(target.model_dir, logdir, server_options=options_from_config(cfg))
-    specs = [(cfg.reward.eval_function, 1.0, {})]
-    specs += [(n, w, {}) for n, w in zip(cfg.reward.functions, cfg.reward.weights, strict=True)]
     pool = RewardPool(
-        specs,
+        [cfg.reward.eval_spec(), *cfg.reward.specs()],
         num_workers=cfg.reward.num_workers,
         timeout_s=cfg.reward.timeout_s,
         sandbox=cfg.reward.sandbox_settings(),

@@ -125,6 +125,14 @@ ARG_CASES = {  # name -> (overrides, with {tmp} and {file} filled in, fragments 
         ["--config.data.source_options=(('digits', 3),)"],
         ["data.source_options", "digits"],
     ),
+    "reward_option_of_an_unused_reward": (
+        ["--config.reward.options=(('code', (('timeout_s', 1),)),)"],
+        ["reward.options", "'code'", "reward.functions"],
+    ),
+    "reward_option_unknown_key": (
+        ["--config.reward.options=(('math', (('extrct', 'hash'),)),)"],
+        ["reward.options", "'math'", "extrct"],
+    ),
     "template_unknown_field": (
         ["--config.data.template={{question}}"],
         ["data.template", "'question'", "prompt"],

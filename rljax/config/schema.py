@@ -175,6 +175,9 @@ class RewardConfig:
     functions: tuple = ("math",)  # names in rljax.rewards.REWARDS or "package.module:function"
     weights: tuple = (1.0,)
     eval_function: str = "math"  # the verifier behind eval/accuracy (a score >= 0.5 counts as correct)
+    # Keyword options of named rewards, ((name, ((key, value), ...)), ...), e.g.
+    # (("math", (("extract", "hash"),)),): a name's options apply wherever it is used (functions, eval).
+    options: tuple = ()
     timeout_s: float = 5.0
     num_workers: int = 2
     # Code sandbox (docs/security.md): "namespace" fails closed where it cannot run; "audit" is weaker and
@@ -182,6 +185,19 @@ class RewardConfig:
     sandbox: str = "namespace"
     sandbox_tmpfs_mb: int = 64
     sandbox_cpus: float = 1.0
+
+    def options_for(self, name: str) -> dict[str, Any]:
+        """The keyword options `options` gives reward `name` ({} when none)."""
+        return {key: value for n, pairs in self.options if n == name for key, value in pairs}
+
+    def specs(self) -> list[tuple[str, float, dict[str, Any]]]:
+        """RewardPool's specs for the training reward: (name, weight, options) per function."""
+        pairs = zip(self.functions, self.weights, strict=True)
+        return [(name, float(weight), self.options_for(name)) for name, weight in pairs]
+
+    def eval_spec(self) -> tuple[str, float, dict[str, Any]]:
+        """RewardPool's spec for the verifier behind eval/accuracy."""
+        return (self.eval_function, 1.0, self.options_for(self.eval_function))
 
     def sandbox_settings(self) -> dict[str, Any]:
         """RewardPool(sandbox=...): the settings its workers pass to rljax.rewards.sandbox.configure."""

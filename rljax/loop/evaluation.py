@@ -79,7 +79,7 @@ def make_evaluator(cfg: Config, sampler: Sampler, examples: list[dict]) -> Evalu
     if not examples or not eval_enabled(cfg):
         return NO_EVAL
     verifier = RewardPool(
-        [(cfg.reward.eval_function, 1.0, {})],
+        [cfg.reward.eval_spec()],
         num_workers=1,
         timeout_s=cfg.reward.timeout_s,
         sandbox=cfg.reward.sandbox_settings(),

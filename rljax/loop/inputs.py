@@ -11,6 +11,7 @@ prints as one line before exiting 2.
 
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
 
@@ -111,9 +112,13 @@ def check_rewards(cfg: Config) -> None:
             raise ConfigError(key, f"expected reward names, got {name!r}")
         try:
             fn = resolve(name)
-            reward_range(fn, {})
+            options = cfg.reward.options_for(name)
+            inspect.signature(fn).bind_partial(**options)  # an unknown option fails here, not per call
+            reward_range(fn, options)
         except KeyError as e:
             raise ConfigError(key, f"{e.args[0] if e.args else e}") from None
+        except TypeError as e:
+            raise ConfigError("reward.options", f"{name!r}: {e}") from None
         except Exception as e:  # noqa: BLE001 - importing a custom reward runs the user's module
             raise ConfigError(key, f"{name!r}: {type(e).__name__}: {e}") from None
         if hasattr(fn, "warmup"):

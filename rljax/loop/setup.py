@@ -131,11 +131,8 @@ def load_policy(cfg: Config, mesh: Mesh) -> tuple[models.ModelConfig, Any, Token
 
 
 def make_reward_pool(cfg: Config) -> RewardPool:
-    specs = [
-        (name, weight, {}) for name, weight in zip(cfg.reward.functions, cfg.reward.weights, strict=True)
-    ]
     return RewardPool(
-        specs,
+        cfg.reward.specs(),
         num_workers=cfg.reward.num_workers,
         timeout_s=cfg.reward.timeout_s,
         sandbox=cfg.reward.sandbox_settings(),

@@ -165,3 +165,25 @@ def test_builtin_rewards_declare_ranges_and_failures_score_the_minimum():
     with RewardPool([("overlong", 1.0, {"max_length": 8, "buffer": 4})], num_workers=0) as p:
         rewards, _, metrics = p.score([bad])
     assert rewards[0] == -1.0 and metrics["reward_fn/errors"] == 1
+
+
+def test_configured_reward_options_reach_the_functions_they_name():
+    from rljax.config import RewardConfig
+
+    rw = RewardConfig(
+        functions=("math", "length_penalty"),
+        weights=(1.0, 1.0),
+        eval_function="math",
+        options=(("math", (("extract", "hash"),)), ("length_penalty", (("unit", "words"), ("coef", 0.5)))),
+    )
+    assert rw.eval_spec() == ("math", 1.0, {"extract": "hash"})
+    example = {"answer": "7"}
+    batch = [
+        {"prompt": "q", "completion": "so it is 7", "example": example},  # no "#### 7": hash extracts nothing
+        {"prompt": "q", "completion": "#### 7", "example": example},
+    ]
+    with RewardPool(rw.specs(), num_workers=0) as p:
+        rewards, per_fn, _ = p.score(batch)
+    np.testing.assert_allclose(per_fn["math"], [0.0, 1.0])
+    np.testing.assert_allclose(per_fn["length_penalty"], [-2.0, -1.0])  # 0.5 a word past target 0
+    np.testing.assert_allclose(rewards, [-2.0, 0.0])
