@@ -67,6 +67,6 @@ setup(
     extras_require=EXTRAS,
     entry_points={
         # Registers rljax's host-staged weight-transfer backend inside vLLM (also in spawned workers).
-        "vllm.general_plugins": ["rljax_weight_transfer = rljax.weight_sync.vllm_plugin:register"],
+        "vllm.general_plugins": ["rljax_weight_transfer = rljax.weight_sync.worker.plugin:register"],
     },
 )

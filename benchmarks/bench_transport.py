@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rljax.weight_sync import fanout, stage_buckets, transports
+from rljax.weight_sync import stage_buckets, transports
+from rljax.weight_sync.worker import fanout
 
 TRANSPORTS = ("tcp", "zmq")
 

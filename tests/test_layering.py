@@ -168,7 +168,7 @@ def test_no_top_level_kernels_module_is_installed(tmp_path):
 
 # The vLLM boundary: the worker side (loaded by vLLM in its own processes) is the only rljax code that
 # imports torch or vLLM; the trainer side (the engine, client, syncer, the loop) never does, not even lazily.
-WORKER_SIDE = ("rljax/weight_sync/vllm_engine.py", "rljax/weight_sync/vllm_plugin.py")
+WORKER_SIDE = "rljax/weight_sync/worker/"
 # rljax/models converts checkpoints with transformers (torch) outside the trainer's import path
 # (`models.tiny`, the HF reference in tests); its own rule is RULES["rljax/models"].
 TORCH_ALLOWED = ("rljax/models",)
@@ -178,15 +178,37 @@ def test_only_the_vllm_worker_side_imports_torch_or_vllm():
     bad = []
     for f in sorted((REPO / "rljax").rglob("*.py")):
         rel = str(f.relative_to(REPO))
-        if rel in WORKER_SIDE:
+        if rel.startswith(WORKER_SIDE):
             continue
         for name in imports_of(f):
             top = name.split(".")[0]
             if top == "vllm" or (top == "torch" and not rel.startswith(TORCH_ALLOWED)):
                 bad.append(f"{rel} imports {name}")
-            if name.startswith("rljax.weight_sync.vllm_"):  # the worker side is vLLM's to load, by name
+            if name.startswith("rljax.weight_sync.worker"):  # the worker room is vLLM's to load, by name
                 bad.append(f"{rel} imports the worker-side {name}")
     assert not bad, "\n".join(bad)
+
+
+# What vLLM's processes load of rljax: the worker room and the shared wire format, transports and
+# idle-spin settings (stdlib, numpy and the registry class below them); no syncer, loop, config or rollout.
+WORKER_LOADS = {
+    "rljax", "rljax.lockdir", "rljax.registry", "rljax.weight_sync", "rljax.weight_sync.staging",
+    "rljax.weight_sync.transports",
+    "rljax.weight_sync.wire", "rljax.weight_sync.idle_spin", "rljax.weight_sync.worker",
+    "rljax.weight_sync.worker.plugin", "rljax.weight_sync.worker.engine", "rljax.weight_sync.worker.fanout",
+}  # fmt: skip
+
+
+def test_the_worker_room_loads_only_the_shared_modules():
+    import subprocess
+
+    code = (
+        "import sys, rljax.weight_sync.worker.plugin as p, rljax.weight_sync.worker.engine;"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'rljax'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    loaded = set(eval(out.stdout.strip().splitlines()[-1]))  # a printed list of names
+    assert "rljax.weight_sync.worker.engine" in loaded and loaded <= WORKER_LOADS, loaded - WORKER_LOADS
 
 
 def test_the_trainer_side_of_the_boundary_loads_no_torch_or_vllm():

@@ -10,13 +10,13 @@
 - "split": the async split in either mode.
 
 `server_thread_env(placement, idle_spin_s)` is the vLLM child's environment for it (VLLM_CPU_OMP_THREADS_BIND,
-and `RLJAX_VLLM_IDLE_SPIN_S`, read by `vllm_plugin.quiet_idle_spin` inside vLLM's processes).
+and `RLJAX_VLLM_IDLE_SPIN_S`, read by `worker.plugin.quiet_idle_spin` inside vLLM's processes).
 `pin_process(cpus)` places every thread of this process (XLA's intra-op pool exists by then, so each
 thread is moved).
 
 Idle spin: a vLLM worker reading its shared-memory message queue busy-polls (`sched_yield`) for 1 s after
 its last message before sleeping on a socket (`SpinCondition.busy_loop_s`, hard-coded in vLLM 0.32); after
-every generation that second takes one of the trainer's cores. `rljax.weight_sync.vllm_plugin`'s
+every generation that second takes one of the trainer's cores. `rljax.weight_sync.worker.plugin`'s
 `quiet_idle_spin()` (run in every vLLM process) lowers it to `RLJAX_VLLM_IDLE_SPIN_S`. The writer pings the
 socket on every message, but a ping can be lost (vLLM re-checks the queue every 5 s for that reason,
 `SHM_READER_RECHECK_INTERVAL_MS`): measured with no spin and vLLM's 5 s re-check, a sync's control calls

@@ -8,7 +8,7 @@ process in its own process group, with:
   `<workdir>/server_token` (0600) and handed over by path in the environment, never on the command line;
 - loopback only, unless `ServerOptions.allow_remote` (a non-loopback host is refused otherwise);
 - `--weight-transfer-config {"backend": "shm"}`: rljax's host-staged backend, registered inside vLLM by
-  the `vllm.general_plugins` entry point `rljax.weight_sync.vllm_plugin:register`;
+  the `vllm.general_plugins` entry point `rljax.weight_sync.worker.plugin:register`;
 - `--logprobs-mode processed_logprobs`: the log-prob convention of `rljax.rollout.client`;
 - a KV block of 32 tokens (vLLM's CPU default is 128; the canary's prompt spans 2 blocks);
 - float32 weights, eager mode, its log in `<workdir>/vllm_server.log` (appended across restarts).

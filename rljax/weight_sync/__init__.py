@@ -1,24 +1,27 @@
 """Host-staged, verified weight sync from the trainer into running vLLM servers (see `syncer`).
 
-The worker side (`vllm_engine`, loaded by vLLM through `vllm_plugin`) imports torch and vLLM; nothing
-imported here does.
+Two rooms: this package's modules run in the trainer's process (stage, pause, load through vLLM's RL
+endpoints, verify, resume; the transports' bucket servers); `worker/` runs inside vLLM's processes (the
+plugin, the weight-transfer engine, the per-node fan-out) and is the only code importing torch or vLLM.
+Both read the shared wire format (`wire`, `staging`), `transports` and `idle_spin`; neither imports the
+other's room.
 """
 
-from rljax.weight_sync.canary import CanaryError, CanarySpec, check_canary, make_canary
-from rljax.weight_sync.staging import Bucket, stage_buckets
-from rljax.weight_sync.syncer import SyncOptions, WeightSyncer, WeightSyncError
-from rljax.weight_sync.wire import TensorEntry, read_checkpoint_spec
+import importlib
 
-__all__ = [
-    "Bucket",
-    "CanaryError",
-    "CanarySpec",
-    "SyncOptions",
-    "TensorEntry",
-    "WeightSyncError",
-    "WeightSyncer",
-    "check_canary",
-    "make_canary",
-    "read_checkpoint_spec",
-    "stage_buckets",
-]
+# name -> the module defining it; resolved on first use (PEP 562), so that vLLM's processes, which import
+# the shared modules (`wire`, `staging`, `transports`, `idle_spin`) through this package, load none of the
+# trainer's room (the syncer, requests, rljax.config).
+_EXPORTS = {
+    "CanaryError": "canary", "CanarySpec": "canary", "check_canary": "canary", "make_canary": "canary",
+    "Bucket": "staging", "stage_buckets": "staging",
+    "SyncOptions": "syncer", "WeightSyncer": "syncer", "WeightSyncError": "syncer",
+    "TensorEntry": "wire", "read_checkpoint_spec": "wire",
+}  # fmt: skip
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -55,9 +55,7 @@ class ZmqBucketServer:
 
     `bytes_sent` and `chunks_sent` count payload sent (all peers), `refused` CURVE handshakes refused,
     `dropped` replies dropped at a full peer queue. A send and its count are one step under a lock that the
-    counters' readers take too: once a peer has a chunk, every read of the counts includes it. `fault`
-    (tests only): `("stall", n)` stops replying once `n` payload bytes were sent, as a trainer that hangs
-    would (a dead one: `close()`).
+    counters' readers take too: once a peer has a chunk, every read of the counts includes it.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 30.0):
@@ -67,7 +65,6 @@ class ZmqBucketServer:
         self.client_public, self.client_secret = zmq.curve_keypair()
         self._bytes_sent = self._chunks_sent = self._dropped = self.refused = 0
         self._counts = threading.Lock()
-        self.fault: tuple[str, int] | None = None
         self._paths: dict[int, str] = {}
         self._maps: dict[int, mmap.mmap | None] = {}
         self._lock = threading.Lock()
@@ -183,8 +180,6 @@ class ZmqBucketServer:
         total = len(buf) if buf is not None else 0
         if not (0 <= offset <= total and 0 <= size <= CHUNK_BYTES and offset + size <= total):
             return self._send(peer, [json.dumps({"error": f"bad range ({offset}, {size})"}).encode()])
-        if self.fault is not None and self.bytes_sent + size > self.fault[1]:
-            return  # stalled: never answers
         head = json.dumps({"bucket": index, "offset": offset, "nbytes": total}).encode()
         chunk = memoryview(buf)[offset : offset + size] if size else b""
         if self._send(peer, [head, chunk], payload=size):

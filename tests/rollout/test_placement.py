@@ -72,7 +72,7 @@ def test_pin_process_moves_every_thread():
 def test_quiet_idle_spin_lowers_vllms_busy_loop():
     code = textwrap.dedent(
         """
-        from rljax.weight_sync import vllm_plugin
+        from rljax.weight_sync.worker import plugin as vllm_plugin
         from vllm.distributed.device_communicators import shm_broadcast
         sb = shm_broadcast
         before = sb.SpinCondition.__init__.__defaults__[0], sb.SHM_READER_RECHECK_INTERVAL_MS

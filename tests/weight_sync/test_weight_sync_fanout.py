@@ -1,4 +1,4 @@
-"""One receiver per node for streamed buckets (`rljax.weight_sync.fanout`), over real tcp and zmq servers.
+"""One receiver per node for streamed buckets (`weight_sync.worker.fanout`), over real tcp and zmq servers.
 
 Workers are threads here, each with its own `NodeDirs` (its own descriptors: flock locks belong to open
 file descriptions, so they exclude each other exactly as across the processes of a node). The trainer's
@@ -15,7 +15,8 @@ import threading
 import numpy as np
 import pytest
 
-from rljax.weight_sync import fanout, stage_buckets, transports
+from rljax.weight_sync import stage_buckets, transports
+from rljax.weight_sync.worker import fanout
 
 
 def _staged(tmp_path, count=5, floats=300_001, seed=0):
@@ -126,7 +127,7 @@ def test_a_failing_receiver_hands_the_bucket_to_a_waiter(tmp_path):
 _CLAIMER = textwrap.dedent(
     """
     import sys, time
-    from rljax.weight_sync import fanout
+    from rljax.weight_sync.worker import fanout
     d = fanout.NodeDirs(sys.argv[1]).get("cd" * 8)
     fanout._claim(d.path, d.path + "/0.part")
     print("claimed", flush=True)

@@ -14,7 +14,7 @@ from rljax.weight_sync.transports import NAMES
 
 # One engine for every transport name: each update's `update_info` says whether its buckets are files to
 # map ("shm": trainer and server on one host) or bytes to pull from a trainer's bucket server (its `source`).
-BACKENDS = {name: ("rljax.weight_sync.vllm_engine", "ShmWeightTransferEngine") for name in NAMES}
+BACKENDS = {name: ("rljax.weight_sync.worker.engine", "ShmWeightTransferEngine") for name in NAMES}
 
 
 def register() -> None:

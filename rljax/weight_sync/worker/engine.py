@@ -53,7 +53,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from rljax.weight_sync import fanout, staging, transports, wire
+from rljax.weight_sync import staging, transports, wire
+from rljax.weight_sync.worker import fanout
 
 logger = init_logger("vllm.rljax_shm")  # under "vllm": vLLM configures only that logger tree
 
