@@ -1,6 +1,6 @@
 """Per-device memory of the trainer's jitted functions, read from the compiler (nothing is allocated).
 
-The real train step of `algo.family` (`trainer.FAMILY_STEPS`: the GRPO-family or the PPO step) and the
+The real train step of `algo.family` (`trainer.families`: the GRPO-family or the PPO step) and the
 log-prob passes (`trainer.make_logprob_fn`: old log-probs over the whole rollout batch, reference
 log-probs when `algo.beta > 0`) are lowered and compiled from `jax.ShapeDtypeStruct`s that carry their
 target shardings, and `compiled.memory_analysis()` gives, per device:
@@ -237,7 +237,7 @@ def compiled_train_memory(
     ref = device_bytes(state.params) if cfg.algo.needs_reference else 0
     batch_held = device_bytes(full) if shapes.train_rows < shapes.rows else 0
     others = device_bytes(state) - device_bytes(state.params)  # optimizer state(s), critic
-    step = make_family_train_step(cfg, model_config, mesh, optimizer=optimizer)  # trainer.FAMILY_STEPS
+    step = make_family_train_step(cfg, model_config, mesh, optimizer=optimizer)
     report = {
         "train_step": compile_memory(
             step, state, minibatch, resident_bytes=ref + batch_held, with_hlo=with_hlo

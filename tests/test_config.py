@@ -295,13 +295,19 @@ def test_validate_runtime_rejects_an_unreadable_model_config(tmp_path):
 
 
 def test_family_choices_are_the_registered_families():
-    """algo.family's choices (for the one-line error at parse time) are rljax.algos.FAMILIES, and every
-    family has its step builders in rljax.trainer.FAMILY_STEPS."""
+    """algo.family's choices (for the one-line error at parse time) are rljax.algos.FAMILIES, the one
+    registry of families; the trainer picks each family's builders from its entry (a critic: PPO's)."""
     from rljax.algos import FAMILIES
-    from rljax.trainer import FAMILY_STEPS
+    from rljax.trainer import families, ppo, update
 
     choices = {f.name: f for f in dataclasses.fields(C.AlgoConfig)}["family"].metadata["choices"]
-    assert sorted(choices) == FAMILIES.names() == FAMILY_STEPS.names()
+    assert sorted(choices) == FAMILIES.names()
+    picked = {name: families._builders(_with_family(name))[1] for name in FAMILIES.names()}
+    assert picked == {"grpo": update.make_update, "ppo": ppo.make_ppo_update}
+
+
+def _with_family(name: str) -> C.Config:
+    return dataclasses.replace(C.Config(), algo=dataclasses.replace(C.AlgoConfig(), family=name))
 
 
 @pytest.mark.parametrize("family", ["grpo", "ppo"])

@@ -3,7 +3,7 @@
 A family is resolved once, when the run is built (`FAMILIES.get(cfg.algo.family)`); its entry answers the
 questions that call sites would otherwise ask by comparing names: does the run train a critic, how many
 samples per prompt does its advantage need, may sequences be packed. Config validation, the train state,
-the memory report and preflight read these facts; `rljax.trainer.FAMILY_STEPS` holds each family's step
+the memory report and preflight read these facts; `rljax.trainer.families` picks each family's step
 and update builders under the same names.
 
 References: Shao et al. 2024, "DeepSeekMath" (GRPO); Schulman et al. 2017, "Proximal Policy Optimization

@@ -190,7 +190,7 @@ def make_sampler(cfg: Config, tokenizer: Tokenizer, engine: Engine, rewards: Rew
 
 
 def make_trainer(cfg: Config, model_config: models.ModelConfig, mesh: Mesh, params: Any) -> Trainer:
-    """The run's Trainer; the update factory is looked up by `algo.family` (`trainer.FAMILY_STEPS`)."""
+    """The run's Trainer; the update factory is chosen by `algo.family` (`trainer.families`)."""
     return Trainer(
         model_config=model_config,
         mesh=mesh,

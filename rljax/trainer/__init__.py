@@ -3,13 +3,13 @@
 Build once, outside jit, from the typed Config:
   optimizer = make_optimizer(cfg.optim, total_optimizer_steps(cfg))
   state = init_train_state(cfg, model_config, params, mesh)
-  update = make_family_update(cfg, model_config, mesh)   # FAMILY_STEPS[algo.family]: GRPO family or PPO
+  update = make_family_update(cfg, model_config, mesh)   # by algo.family: the GRPO family or PPO
   batch, layout_metrics = prepare_batch(cfg, loss_inputs, mesh)   # packs when configured, then shards
   state, metrics = update(state, batch, ref_params)
 """
 
 from rljax.trainer.batch import TrainBatch
-from rljax.trainer.families import FAMILY_STEPS, FamilySteps, make_family_train_step, make_family_update
+from rljax.trainer.families import make_family_train_step, make_family_update
 from rljax.trainer.logprobs import make_logprob_fn, sequence_logprobs
 from rljax.trainer.optim import make_optimizer, make_schedule, total_optimizer_steps
 from rljax.trainer.packing import layout_batch, prepare_batch
@@ -30,8 +30,6 @@ from rljax.trainer.step import make_train_step
 from rljax.trainer.update import make_update
 
 __all__ = [
-    "FAMILY_STEPS",
-    "FamilySteps",
     "NonFiniteError",
     "TrainBatch",
     "TrainState",
