@@ -186,6 +186,26 @@ class RewardConfig:
     sandbox_tmpfs_mb: int = 64
     sandbox_cpus: float = 1.0
 
+    def validate(self) -> None:
+        """One weight per function; `options` well-formed and naming a reward this config uses (whether each
+        key fits its function is checked where rewards are resolved, `rljax.loop.inputs.check_rewards`)."""
+        if len(self.functions) != len(self.weights) or not self.functions:
+            raise ConfigError(
+                "reward.weights",
+                f"needs one weight per reward function: {len(self.functions)} functions, "
+                f"{len(self.weights)} weights",
+            )
+        named = {*self.functions, self.eval_function}
+        valid = "pairs (name, ((key, value), ...)) naming a reward in reward.functions or eval_function"
+
+        def is_pair(x, first_ok) -> bool:
+            return isinstance(x, tuple) and len(x) == 2 and first_ok(x[0])
+
+        for entry in self.options:
+            ok = is_pair(entry, lambda name: name in named) and isinstance(entry[1], tuple)
+            if not ok or not all(is_pair(p, lambda key: isinstance(key, str)) for p in entry[1]):
+                raise ConfigError("reward.options", f"must be {valid}, got {entry!r}")
+
     def options_for(self, name: str) -> dict[str, Any]:
         """The keyword options `options` gives reward `name` ({} when none)."""
         return {key: value for n, pairs in self.options if n == name for key, value in pairs}

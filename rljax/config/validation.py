@@ -15,7 +15,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from rljax.config.parsing import field_types
-from rljax.config.schema import SANDBOX_MODES, Config, ConfigError, MeshConfig, RewardConfig, RolloutConfig
+from rljax.config.schema import SANDBOX_MODES, Config, ConfigError, MeshConfig, RolloutConfig
 
 if TYPE_CHECKING:  # rljax.algos imports JAX: at run time it is imported inside the checks that need it
     from rljax.algos import Family
@@ -215,7 +215,7 @@ def validate(cfg: Config) -> Config:
     _validate_prompts_and_profile(cfg)
     if cfg.algo.dual_clip_c and cfg.algo.dual_clip_c <= 1.0:
         raise ConfigError("algo.dual_clip_c", f"must be 0 (off) or > 1, got {cfg.algo.dual_clip_c}")
-    _validate_rewards(cfg.reward)
+    cfg.reward.validate()
     if not cfg.mesh.device_memory_gib >= 0:
         raise ConfigError(
             "mesh.device_memory_gib", f"must be >= 0 (0: the device's own), got {cfg.mesh.device_memory_gib}"
@@ -223,24 +223,6 @@ def validate(cfg: Config) -> Config:
     _validate_mesh_sizes(cfg.mesh)
     _check_names(cfg)
     return cfg
-
-
-def _validate_rewards(rw: RewardConfig) -> None:
-    if len(rw.functions) != len(rw.weights) or not rw.functions:
-        raise ConfigError(
-            "reward.weights",
-            f"needs one weight per reward function: {len(rw.functions)} functions, {len(rw.weights)} weights",
-        )
-    named = {*rw.functions, rw.eval_function}
-    valid = "pairs (name, ((key, value), ...)) naming a reward in reward.functions or reward.eval_function"
-
-    def is_pair(x, first_ok) -> bool:
-        return isinstance(x, tuple) and len(x) == 2 and first_ok(x[0])
-
-    for entry in rw.options:
-        ok = is_pair(entry, lambda name: name in named) and isinstance(entry[1], tuple)
-        if not ok or not all(is_pair(p, lambda key: isinstance(key, str)) for p in entry[1]):
-            raise ConfigError("reward.options", f"must be {valid}, got {entry!r}")
 
 
 def _validate_sampling(ro: RolloutConfig) -> None:
