@@ -55,7 +55,14 @@ def get_config(preset=None):
     cfg.data.chat_template = True
     cfg.data.system_prompt = SYSTEM_PROMPT
     cfg.data.eval_size = 128
-    cfg.reward.functions = ("math",)
+    # A linear length penalty past 20 words (0.005 a word, at most 0.5; Kimi k1.5's shaping): at a base
+    # pass@1 of ~0.05 most groups have no correct completion, and without it the policy drifts (seed 1:
+    # completions grew from 118 to 242 tokens in 10 steps, reward stayed at 0-0.05). The held-out score
+    # is `math` alone.
+    cfg.reward.functions = ("math", "length_penalty")
+    cfg.reward.weights = (1.0, 1.0)
+    length = (("unit", "words"), ("target", 20), ("coef", 0.005), ("max_penalty", 0.5))
+    cfg.reward.options = (("length_penalty", length),)
     cfg.reward.eval_function = "math"
     # 4 prompts x 16 completions: at a base pass@1 of ~0.05, a group of 8 is all-wrong (no gradient) for
     # 66% of prompts, a group of 16 for 44%. Measured at 32 (8 per group, lr 2e-5): held-out 0.023 -> 0.047
