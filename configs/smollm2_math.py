@@ -66,7 +66,7 @@ def get_config(preset=None):
     cfg.reward.eval_function = "math"
     # 4 prompts x 16 completions: at a base pass@1 of ~0.05, a group of 8 is all-wrong (no gradient) for
     # 66% of prompts, a group of 16 for 44%. Measured at 32 (8 per group, lr 2e-5): held-out 0.023 -> 0.047
-    # in 20 steps; at 64 (16 per group, lr 4e-5): 0.023 -> 0.148.
+    # in 20 steps; at 64 (16 per group, lr 4e-5): 0.023 -> 0.148 (both with `math` alone, seed 0).
     cfg.rollout.batch_size = 64
     cfg.rollout.group_size = 16
     cfg.rollout.max_tokens = 256

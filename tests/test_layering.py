@@ -1,6 +1,7 @@
 """Enforces the dependency direction of HOUSE_STYLE.md by parsing every module's imports."""
 
 import ast
+import json
 import pathlib
 import re
 import sys
@@ -192,10 +193,11 @@ def test_only_the_vllm_worker_side_imports_torch_or_vllm():
 # What vLLM's processes load of rljax: the worker room and the shared wire format, transports and
 # idle-spin settings (stdlib, numpy and the registry class below them); no syncer, loop, config or rollout.
 WORKER_LOADS = {
-    "rljax", "rljax.lockdir", "rljax.registry", "rljax.weight_sync", "rljax.weight_sync.staging",
-    "rljax.weight_sync.transports",
-    "rljax.weight_sync.wire", "rljax.weight_sync.idle_spin", "rljax.weight_sync.worker",
-    "rljax.weight_sync.worker.plugin", "rljax.weight_sync.worker.engine", "rljax.weight_sync.worker.fanout",
+    "rljax", "rljax.lockdir", "rljax.registry",
+    "rljax.weight_sync", "rljax.weight_sync.staging", "rljax.weight_sync.transports",
+    "rljax.weight_sync.wire", "rljax.weight_sync.idle_spin",
+    "rljax.weight_sync.worker", "rljax.weight_sync.worker.plugin", "rljax.weight_sync.worker.engine",
+    "rljax.weight_sync.worker.fanout",
 }  # fmt: skip
 
 
@@ -203,11 +205,11 @@ def test_the_worker_room_loads_only_the_shared_modules():
     import subprocess
 
     code = (
-        "import sys, rljax.weight_sync.worker.plugin as p, rljax.weight_sync.worker.engine;"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'rljax'))"
+        "import json, sys, rljax.weight_sync.worker.plugin, rljax.weight_sync.worker.engine;"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'rljax')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
-    loaded = set(eval(out.stdout.strip().splitlines()[-1]))  # a printed list of names
+    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
     assert "rljax.weight_sync.worker.engine" in loaded and loaded <= WORKER_LOADS, loaded - WORKER_LOADS
 
 

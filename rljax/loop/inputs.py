@@ -112,17 +112,25 @@ def check_rewards(cfg: Config) -> None:
             raise ConfigError(key, f"expected reward names, got {name!r}")
         try:
             fn = resolve(name)
-            options = cfg.reward.options_for(name)
-            inspect.signature(fn).bind_partial(**options)  # an unknown option fails here, not per call
-            reward_range(fn, options)
+            reward_range(fn, _fitting_options(fn, name, cfg.reward.options_for(name)))
+        except ConfigError:
+            raise
         except KeyError as e:
             raise ConfigError(key, f"{e.args[0] if e.args else e}") from None
-        except TypeError as e:
-            raise ConfigError("reward.options", f"{name!r}: {e}") from None
         except Exception as e:  # noqa: BLE001 - importing a custom reward runs the user's module
             raise ConfigError(key, f"{name!r}: {type(e).__name__}: {e}") from None
         if hasattr(fn, "warmup"):
             check_sandbox(cfg.reward.sandbox)
+
+
+def _fitting_options(fn, name: str, options: dict) -> dict:
+    """`options` when `fn` takes every one of them; an unknown key fails here (exit 2), not per call (a
+    TypeError from importing a custom reward stays that reward's own error)."""
+    try:
+        inspect.signature(fn).bind_partial(**options)
+    except TypeError as e:
+        raise ConfigError("reward.options", f"{name!r}: {e}") from None
+    return options
 
 
 def check_sandbox(mode: str) -> None:
