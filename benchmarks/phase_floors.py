@@ -174,8 +174,9 @@ def isolated_update(cfg, sequences, repeats: int) -> tuple[list[float], float]:
     return [timed(run) for _ in range(repeats + 2)][2:], pad
 
 
-def make_isolated_update(cfg, sequences):
-    """(`fn()`: one rljax update, prepare_batch included, blocking on its metrics; the pad fraction)."""
+def make_isolated_update(cfg, sequences, advantages=None):
+    """(`fn()`: one rljax update, prepare_batch included, blocking on its metrics; the pad fraction).
+    Advantages f32[len(sequences)]: `advantages`, or standard normal draws."""
     import jax
 
     from rljax import trainer
@@ -192,7 +193,8 @@ def make_isolated_update(cfg, sequences):
         Trajectory(list(p), list(c), [-1.0] * len(c), 0.0, i // cfg.rollout.group_size, 0)
         for i, (p, c) in enumerate(sequences)
     ]
-    adv = np.random.default_rng(0).standard_normal(len(trajs)).astype(np.float32)
+    adv = advantages if advantages is not None else np.random.default_rng(0).standard_normal(len(trajs))
+    adv = np.asarray(adv, np.float32)
     batch = build_loss_inputs(
         trajs, adv, temperature=cfg.rollout.temperature, max_len=cfg.rollout.vllm.max_model_len
     )

@@ -246,7 +246,8 @@ def save_batch(workdir: str, step: int, batch: LossInputs) -> str:
     """Writes a host LossInputs to `batch_path(workdir, step)` atomically (a killed write leaves no file)."""
     path = batch_path(workdir, step)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    arrays = {f.name: np.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+    values = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    arrays = {name: np.asarray(v) for name, v in values.items() if v is not None}  # None: a default
     tmp = f"{path}.tmp-{os.getpid()}.npz"
     np.savez(tmp, **arrays)
     os.replace(tmp, path)
@@ -256,7 +257,7 @@ def save_batch(workdir: str, step: int, batch: LossInputs) -> str:
 def load_batch(path: str) -> LossInputs:
     """The LossInputs `save_batch` wrote (bit for bit, sampler settings included)."""
     with np.load(path) as data:
-        fields = {f.name: data[f.name] for f in dataclasses.fields(LossInputs)}
+        fields = {f.name: data[f.name] for f in dataclasses.fields(LossInputs) if f.name in data.files}
     for name in ("temperature", "top_p"):
         fields[name] = float(fields[name])
     fields["top_k"] = int(fields["top_k"])

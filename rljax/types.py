@@ -29,6 +29,7 @@ import numpy as np
         "rewards",
         "group_ids",
         "policy_version",
+        "head_positions",
     ],
     meta_fields=["temperature", "top_p", "top_k"],
 )
@@ -50,6 +51,10 @@ class LossInputs:
     Packed batches (`rljax.trainer.packing`, several sequences per row, one segment id each) carry the
     four sequence fields per token instead, `[B,T]`: each token holds its sequence's value (0 on padding).
       temperature, top_p, top_k: the sampler settings that produced `behavior_logp` (static).
+      head_positions: i32[B,K] or None. The positions of each row at which log-probs and entropies are
+        computed (ascending; rows with fewer than K pad with T, out of range): `trainer.prepare_batch`
+        sets them to the loss-mask positions, so the head skips prompt and padding positions. None:
+        every position. Elsewhere `sequence_logprobs` returns 0.
     """
 
     input_ids: jax.Array
@@ -65,6 +70,7 @@ class LossInputs:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    head_positions: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -140,6 +140,7 @@ def replace_fields(cfg, changes: dict):
         ({"algo.beta": -0.01}, "algo.beta", ">= 0.0"),
         ({"trainer.seed": -1}, "trainer.seed", "[0, 4294967295]"),
         ({"data.eval_size": -1}, "data.eval_size", ">= 0"),
+        ({"model.unroll_layers": -1}, "model.unroll_layers", ">= 0"),
         ({"rollout.weight_sync.canary_tolerance": -1.0}, "rollout.weight_sync.canary_tolerance", ">= 0.0"),
     ],
 )

@@ -73,6 +73,7 @@ _RANGES = (
     ("algo.overlong_penalty", 0.0, math.inf),
     ("algo.max_refill_rounds", 0, math.inf),
     ("data.eval_size", 0, math.inf),
+    ("model.unroll_layers", 0, math.inf),
     ("data.seed", 0, 2**32 - 1),
     ("trainer.seed", 0, 2**32 - 1),
     ("trainer.eval_every", 0, math.inf),

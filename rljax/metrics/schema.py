@@ -107,6 +107,8 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("batch/rows", "rows", "last", "Rows of the update batch as the devices see it (packed when packing)."),
     ("batch/row_length", "tokens", "max",
      "Packing: tokens per packed row (trainer.tokens_per_micro_batch, grown for a longer sequence)."),
+    ("batch/head_fraction", "fraction", "mean",
+     "Positions per row the log-prob head runs at (the loss positions, rounded up) / row length."),
     ("batch/rank_token_imbalance", "ratio", "max",
      "Packing: max / mean real tokens over the data-parallel ranks (1 = balanced)."),
     ("advantages/mean", "advantage", "mean", f"Mean advantage over {_S} (about 0 when group-normalized)."),

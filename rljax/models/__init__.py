@@ -36,11 +36,13 @@ from rljax.models.model import (
     resolve_decoder,
     unembed_matrix,
 )
+from rljax.models.nn import AUTO_UNROLL_MAX_LAYERS
 from rljax.models.params import HFTensor
 from rljax.models.remat import REMAT_POLICIES
 
 __all__ = [
     "ATTENTION_IMPLS",
+    "AUTO_UNROLL_MAX_LAYERS",
     "DECODERS",
     "FAMILIES",
     "REMAT_POLICIES",

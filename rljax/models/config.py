@@ -60,6 +60,7 @@ class ModelConfig:
     remat: str = "none"  # a name in rljax.models.REMAT_POLICIES, applied to the scanned layer body
     attention_impl: str = "auto"  # a name in rljax.models.ATTENTION_IMPLS, or "auto" (by backend)
     attention_block_size: int = 512  # query/key block of the blockwise attention
+    unroll_layers: int = 0  # layers per scan iteration; 0: `nn.layer_unroll`'s choice by depth
     # The decoder class: "" (the built-in one of `family`), a name in rljax.models.DECODERS, or
     # "package.module:Class" (bring your own model; docs/models.md).
     decoder: str = ""

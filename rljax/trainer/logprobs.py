@@ -52,23 +52,40 @@ def sequence_logprobs(
     Row b, position t scores `batch.target_ids[b, t]` after `input_ids[b, :t+1]` at
     `batch.temperature` (the sampler's temperature, so ratios against the engine's processed log-probs
     are consistent). The head runs in `model_config.compute_dtype` (hidden states and unembedding cast
-    to it; the kernel accumulates in float32). Values off `loss_mask` are computed but meaningless.
+    to it; the kernel accumulates in float32). Values off `loss_mask` are meaningless; with
+    `batch.head_positions` the head runs only there (the hidden states gathered per row) and every
+    other position is 0.
 
     References: Shannon 1948 (entropy); the fused kernel is `rljax.kernels.token_logprobs`.
     """
     dtype = jnp.dtype(model_config.compute_dtype)
     hidden = sequence_hidden(model_config, params, batch, mesh).astype(dtype)
-    b, t, d = hidden.shape
+    targets, where = batch.target_ids, batch.head_positions
+    if where is not None:  # the loss positions only; padding (index T) reads the last position
+        hidden = jnp.take_along_axis(hidden, where[..., None], axis=1, mode="clip")
+        targets = jnp.take_along_axis(targets, where, axis=1, mode="clip")
+    b, k, d = hidden.shape
     logp, entropy = kernels.token_logprobs(
-        hidden.reshape(b * t, d),
+        hidden.reshape(b * k, d),
         models.unembed_matrix(model_config, params).astype(dtype),
-        batch.target_ids.reshape(b * t),
+        targets.reshape(b * k),
         temperature=float(batch.temperature),
         return_entropy=True,
         impl=impl,
         mesh=mesh,
     )
-    return logp.reshape(b, t), entropy.reshape(b, t)
+    if where is None:
+        return logp.reshape(b, k), entropy.reshape(b, k)
+    return scatter_rows(logp.reshape(b, k), where, batch.target_ids.shape), scatter_rows(
+        entropy.reshape(b, k), where, batch.target_ids.shape
+    )
+
+
+def scatter_rows(values: jax.Array, where: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """f32[B,T] zeros with `values[b, j]` at `[b, where[b, j]]`; out-of-range positions (padding) dropped.
+    One scatter per row, batched (vmap), so a row-sharded batch scatters on each device without a gather."""
+    row = lambda v, w: jnp.zeros(shape[1:], values.dtype).at[w].set(v, mode="drop")  # noqa: E731
+    return jax.vmap(row)(values, where)
 
 
 def pass_micro_batches(cfg: Config, rows: int, data_parallel: int) -> int:

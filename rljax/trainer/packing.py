@@ -175,11 +175,31 @@ def packed_row_length(tokens_per_micro_batch: int, longest: int) -> int:
     return row_len
 
 
+# The head's position count K is rounded up to a multiple of T / HEAD_STEPS: at most HEAD_STEPS compiled
+# variants of the step per row length, at most T / HEAD_STEPS positions of wasted head work per row.
+HEAD_STEPS = 8
+
+
+def head_positions(loss_mask: np.ndarray) -> np.ndarray | None:
+    """`LossInputs.head_positions` for a `loss_mask f32[B,T]`: i32[B,K], each row's loss positions in
+    order, padded with T; K is the largest count of any row rounded up to a multiple of ceil(T /
+    HEAD_STEPS). None when K would be T (the head runs everywhere anyway)."""
+    rows, t = loss_mask.shape
+    counts = (loss_mask > 0).sum(axis=1)
+    step = -(-t // HEAD_STEPS)
+    k = max(step, -(-int(counts.max(initial=0)) // step) * step)
+    if k >= t:
+        return None
+    first = np.argsort(loss_mask <= 0, axis=1, kind="stable")[:, :k]  # mask positions first, in order
+    return np.where(np.arange(k)[None, :] < counts[:, None], first, t).astype(np.int32)
+
+
 def layout_batch(cfg: Config, batch: LossInputs, data_parallel: int) -> tuple[LossInputs, dict]:
     """The batch the devices train on, and its layout metrics: packed into rows of
     `trainer.tokens_per_micro_batch` tokens (grown by `packed_row_length` for a longer sequence; row
     count a multiple of data_parallel x trainer.minibatches) when that is > 0, else the batch as given.
-    Metrics: `batch/pad_fraction`, `batch/rows`, and when packed `batch/rank_token_imbalance` and
+    The head runs at the loss positions only (`head_positions`). Metrics: `batch/pad_fraction`,
+    `batch/rows`, `batch/head_fraction`, and when packed `batch/rank_token_imbalance` and
     `batch/row_length`."""
     n = cfg.trainer.tokens_per_micro_batch
     if n:
@@ -191,7 +211,10 @@ def layout_batch(cfg: Config, batch: LossInputs, data_parallel: int) -> tuple[Lo
             rows_multiple=data_parallel * cfg.trainer.minibatches,
         )
         batch = pack_loss_inputs(batch, plan)
+    batch = batch.replace(head_positions=head_positions(np.asarray(batch.loss_mask)))
+    heads = batch.input_ids.shape[1] if batch.head_positions is None else batch.head_positions.shape[1]
     metrics = {"batch/pad_fraction": padding_fraction(batch), "batch/rows": float(batch.input_ids.shape[0])}
+    metrics["batch/head_fraction"] = heads / batch.input_ids.shape[1]
     if n:
         metrics["batch/rank_token_imbalance"] = rank_token_imbalance(batch, data_parallel)
         metrics["batch/row_length"] = float(batch.input_ids.shape[1])

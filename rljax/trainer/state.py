@@ -99,6 +99,7 @@ def resolve_model_config(cfg: Config, model_config: models.ModelConfig) -> model
         remat=cfg.model.remat,
         attention_impl=cfg.model.attention_impl,
         attention_block_size=cfg.model.attention_block_size,
+        unroll_layers=cfg.model.unroll_layers,
         decoder=model_decoder(cfg),
     )
 

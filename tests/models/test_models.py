@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from rljax import models
+from rljax.models import nn
 from rljax.models.tiny import build_tiny_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -201,3 +202,26 @@ def test_bf16_compute_matches_fp32_within_tolerance(tiny, variant):
     assert diff.max() > 1e-4  # bf16 really ran (not silently float32)
     h16 = hid(bf16, params, ids)
     assert h16.dtype == jnp.float32
+
+
+def test_unrolled_layers_equal_the_scanned_stack_forward_and_backward(tiny):
+    config, params, _ = tiny[VARIANTS[0]]
+    ids = rand_ids(7)
+
+    def loss(p, c):
+        return models.hidden_states(c, p, ids).sum()
+
+    scanned = dataclasses.replace(config, unroll_layers=1)
+    assert nn.layer_unroll(scanned) == 1 and nn.layer_unroll(config) == config.num_layers  # auto: shallow
+    out = [jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, c) for c in (scanned, config)]
+    np.testing.assert_allclose(out[1][0], out[0][0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(out[1][1]), jax.tree.leaves(out[0][1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_unroll_keeps_one_compiled_body_for_deep_stacks(tiny):
+    config = tiny[VARIANTS[0]][0]
+    deep = dataclasses.replace(config, num_layers=nn.AUTO_UNROLL_MAX_LAYERS + 1)
+    assert nn.layer_unroll(deep) == 1
+    assert nn.layer_unroll(dataclasses.replace(deep, unroll_layers=3)) == 3
+    assert nn.layer_unroll(dataclasses.replace(config, unroll_layers=99)) == config.num_layers

@@ -80,10 +80,16 @@ def _program_ops(config: models.ModelConfig) -> list[str]:
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_program_size_does_not_grow_with_depth(remat):
-    shallow = _program_ops(dataclasses.replace(TINY, num_layers=2, remat=remat))
+    # 2 layers scanned (auto would run them straight-line) vs 24 under auto (deep: one compiled body)
+    shallow = _program_ops(dataclasses.replace(TINY, num_layers=2, remat=remat, unroll_layers=1))
     deep = _program_ops(dataclasses.replace(TINY, num_layers=24, remat=remat))
     assert "stablehlo.while" in deep  # the layers are a loop, not 24 unrolled copies
     assert len(deep) == len(shallow) and sorted(deep) == sorted(shallow)
+    unrolled = _program_ops(dataclasses.replace(TINY, num_layers=2, remat=remat))
+    # auto: the shallow stack straight-line (the layer loops of forward and backward gone, the layer
+    # body twice: more ops; the attention's and the head's own loops remain)
+    assert unrolled.count("stablehlo.while") == shallow.count("stablehlo.while") - 2
+    assert len(unrolled) > len(shallow)
 
 
 def test_decoder_without_a_cache_path_says_so():

@@ -39,7 +39,11 @@ ROWS, MICRO = 32, 8
 
 
 def config(micro: int, minibatches: int = 1):
-    return C.base_config(trainer__micro_batch_size=micro, trainer__minibatches=minibatches)
+    # The layers scanned, as in the deep models this 2-layer one stands in for (auto would unroll it, and
+    # the compiler's buffer reuse across straight-line layers blurs the temporaries' growth measured here).
+    return C.base_config(
+        trainer__micro_batch_size=micro, trainer__minibatches=minibatches, model__unroll_layers=1
+    )
 
 
 @pytest.fixture(scope="module")
