@@ -121,6 +121,7 @@ def alternate(runs: dict, rounds: int) -> dict[str, list[float]]:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(MODELS), default="small")
+    p.add_argument("--model-path", default="", help="an existing HF checkpoint instead (e.g. SmolLM2's)")
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=8)
@@ -137,9 +138,14 @@ def main(argv=None) -> dict:
     from rljax.models.tiny import build_tiny_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="bench-update-") as tmp:
-        shape = MODELS[args.model]
-        path = build_tiny_checkpoint(Path(tmp) / args.model, init_std=0.02, **shape)
-        out = measure(args, path, shape["vocab_size"], make_plain_update, make_tunix_update, tunix_available)
+        if args.model_path:
+            path = Path(args.model_path)
+            vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+            args.no_tunix |= "Qwen2" not in (path / "config.json").read_text()  # Tunix's qwen2 module only
+        else:
+            path = build_tiny_checkpoint(Path(tmp) / args.model, init_std=0.02, **MODELS[args.model])
+            vocab = MODELS[args.model]["vocab_size"]
+        out = measure(args, path, vocab, make_plain_update, make_tunix_update, tunix_available)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return out
@@ -155,7 +161,7 @@ def measure(args, path: Path, vocab: int, make_plain_update, make_tunix_update, 
     if tunix_available() and not args.no_tunix:
         runs["tunix"] = make_tunix_update(path, prompts, completions, adv)
     else:
-        print("tunix: not installed (pip install -e '.[bench]'); its column is left out")
+        print("tunix: not installed or not asked for (see this script's docstring); its column is left out")
     runs["plain"] = make_plain_update(path, prompts, completions, adv)
     times = alternate(runs, args.rounds)
     median = {name: statistics.median(t) for name, t in times.items()}

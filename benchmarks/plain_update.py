@@ -21,7 +21,8 @@ import optax
 
 
 def load_qwen2(path: str | Path) -> tuple[dict, dict]:
-    """(config.json dict, params) of a Qwen2 HF checkpoint: float32 arrays, matrices as `x @ w`."""
+    """(config.json dict, params) of a Qwen2 (or Llama without RoPE scaling: zero q/k/v biases) HF
+    checkpoint: float32 arrays, matrices as `x @ w`."""
     from safetensors.numpy import load_file
 
     path = Path(path)
@@ -30,6 +31,10 @@ def load_qwen2(path: str | Path) -> tuple[dict, dict]:
     for f in sorted(path.glob("*.safetensors")):
         t |= load_file(str(f))
     f32 = lambda x: jnp.asarray(np.asarray(x, np.float32))  # noqa: E731
+    zeros = lambda n: jnp.zeros((n,), jnp.float32)  # noqa: E731  (Llama: no q/k/v biases)
+    bias = lambda name, n: f32(t[name]) if name in t else zeros(n)  # noqa: E731
+    h, k = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg["hidden_size"] // h
     layers = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -37,9 +42,9 @@ def load_qwen2(path: str | Path) -> tuple[dict, dict]:
         layers.append({
             "ln1": f32(t[p + "input_layernorm.weight"]),
             "ln2": f32(t[p + "post_attention_layernorm.weight"]),
-            "wq": w("self_attn.q_proj"), "bq": f32(t[p + "self_attn.q_proj.bias"]),
-            "wk": w("self_attn.k_proj"), "bk": f32(t[p + "self_attn.k_proj.bias"]),
-            "wv": w("self_attn.v_proj"), "bv": f32(t[p + "self_attn.v_proj.bias"]),
+            "wq": w("self_attn.q_proj"), "bq": bias(p + "self_attn.q_proj.bias", h * hd),
+            "wk": w("self_attn.k_proj"), "bk": bias(p + "self_attn.k_proj.bias", k * hd),
+            "wv": w("self_attn.v_proj"), "bv": bias(p + "self_attn.v_proj.bias", k * hd),
             "wo": w("self_attn.o_proj"),
             "wg": w("mlp.gate_proj"), "wu": w("mlp.up_proj"), "wd": w("mlp.down_proj"),
         })  # fmt: skip
