@@ -37,13 +37,13 @@ from pathlib import Path
 import numpy as np
 from cpu_clock import PhaseCpu, core_floor_s
 from phase_floors import (
+    alternate,
     bare_update,
     isolated_update,
     make_bare_step,
     make_isolated_update,
     offline_generation,
     step_requests,
-    timed,
 )
 
 TARGETS = {"update": 1.15, "generation": 1.2, "sync_step": 1.15, "async_step": 1.1}
@@ -162,12 +162,7 @@ def micro_sweep(model: str, args) -> dict:
     for k in (int(x) for x in args.micro_sweep.split(",")):
         args.rows_per_micro = k
         runs[f"rows_{k}"] = make_isolated_update(loop_config(model, args, 0), sequences)[0]
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(args.repeats + 2):
-        for name, run in runs.items():
-            t = timed(run)
-            if r >= 2:  # the first two calls compile
-                times[name].append(t)
+    times = alternate(runs, args.repeats)
     bare = statistics.median(times["bare"])
     out = {}
     for name, t in times.items():

@@ -31,12 +31,11 @@ seconds and the ratios rljax / tunix and rljax / plain (targets: <= 1.0 and <= 1
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -70,17 +69,19 @@ def rljax_config(model_path: str, args, overrides: dict):
     from configs import grpo
     from rljax import config as C
 
-    cfg = C.from_config_dict(grpo.get_config())
-    sections = {"model": {"path": model_path}, "trainer": {}, "rollout": {}}
-    sections["rollout"] |= dict(batch_size=args.rows, group_size=args.group, max_tokens=args.completion_len)
-    sections["trainer"] |= dict(
-        tokens_per_micro_batch=args.prompt_len + args.completion_len, packed_rows_per_micro_batch=0
-    )
-    for key, value in overrides.items():
-        section, field = key.split(".", 1)
-        sections[section][field] = value
-    changes = {name: dataclasses.replace(getattr(cfg, name), **kw) for name, kw in sections.items()}
-    return C.validate(dataclasses.replace(cfg, **changes))
+    d = grpo.get_config()
+    settings = {
+        "model.path": model_path,
+        "rollout.batch_size": args.rows,
+        "rollout.group_size": args.group,
+        "rollout.max_tokens": args.completion_len,
+        "trainer.tokens_per_micro_batch": args.prompt_len + args.completion_len,
+        "trainer.packed_rows_per_micro_batch": 0,
+    }
+    for key, value in (settings | overrides).items():  # on the ConfigDict: its field types check them
+        *parents, field = key.split(".")
+        setattr(functools.reduce(getattr, parents, d), field, value)
+    return C.validate(C.from_config_dict(d))
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -106,18 +107,6 @@ def make_rljax_update(cfg, prompts, completions, adv):
     return make_isolated_update(cfg, sequences, advantages=adv)[0]
 
 
-def alternate(runs: dict, rounds: int) -> dict[str, list[float]]:
-    """Seconds per call of each run, round-robin; the first two rounds (compiles) dropped."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(rounds + 2):
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            if r >= 2:
-                times[name].append(time.perf_counter() - t0)
-    return times
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(MODELS), default="small")
@@ -132,9 +121,6 @@ def main(argv=None) -> dict:
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
 
-    from plain_update import make_plain_update
-    from tunix_update import make_tunix_update, tunix_available
-
     from rljax.models.tiny import build_tiny_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="bench-update-") as tmp:
@@ -145,14 +131,18 @@ def main(argv=None) -> dict:
         else:
             path = build_tiny_checkpoint(Path(tmp) / args.model, init_std=0.02, **MODELS[args.model])
             vocab = MODELS[args.model]["vocab_size"]
-        out = measure(args, path, vocab, make_plain_update, make_tunix_update, tunix_available)
+        out = measure(args, path, vocab)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return out
 
 
-def measure(args, path: Path, vocab: int, make_plain_update, make_tunix_update, tunix_available) -> dict:
+def measure(args, path: Path, vocab: int) -> dict:
     """Builds every run on the checkpoint at `path`, alternates them and prints the table."""
+    from phase_floors import alternate
+    from plain_update import make_plain_update
+    from tunix_update import make_tunix_update, tunix_available
+
     prompts, completions, adv = synthetic_batch(args, vocab)
     runs = {"rljax": make_rljax_update(rljax_config(str(path), args, {}), prompts, completions, adv)}
     for text in args.variant:

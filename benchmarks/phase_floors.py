@@ -116,6 +116,18 @@ def bare_update(model_path: str, sequences, repeats: int) -> tuple[list[float], 
     return [w for w, _ in runs[2:]], [c for _, c in runs[2:]]  # the first two calls compile
 
 
+def alternate(runs: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each run in `runs` (name -> blocking fn), round-robin so load drifts hit every
+    run alike; the first two rounds (compiles) dropped."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds + 2):
+        for name, run in runs.items():
+            t = timed(run)
+            if r >= 2:
+                times[name].append(t)
+    return times
+
+
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()

@@ -74,17 +74,18 @@ def sequence_logprobs(
         impl=impl,
         mesh=mesh,
     )
+    logp, entropy = logp.reshape(b, k), entropy.reshape(b, k)
     if where is None:
-        return logp.reshape(b, k), entropy.reshape(b, k)
-    return scatter_rows(logp.reshape(b, k), where, batch.target_ids.shape), scatter_rows(
-        entropy.reshape(b, k), where, batch.target_ids.shape
-    )
+        return logp, entropy
+    t = batch.target_ids.shape[1]
+    return scatter_rows(logp, where, t), scatter_rows(entropy, where, t)
 
 
-def scatter_rows(values: jax.Array, where: jax.Array, shape: tuple[int, int]) -> jax.Array:
-    """f32[B,T] zeros with `values[b, j]` at `[b, where[b, j]]`; out-of-range positions (padding) dropped.
-    One scatter per row, batched (vmap), so a row-sharded batch scatters on each device without a gather."""
-    row = lambda v, w: jnp.zeros(shape[1:], values.dtype).at[w].set(v, mode="drop")  # noqa: E731
+def scatter_rows(values: jax.Array, where: jax.Array, length: int) -> jax.Array:
+    """f32[B,length] zeros with `values[b, j]` at `[b, where[b, j]]`; out-of-range positions (padding)
+    dropped. One scatter per row, batched (vmap), so a row-sharded batch scatters on each device without
+    a gather."""
+    row = lambda v, w: jnp.zeros((length,), values.dtype).at[w].set(v, mode="drop")  # noqa: E731
     return jax.vmap(row)(values, where)
 
 

@@ -184,7 +184,7 @@ def head_positions(loss_mask: np.ndarray) -> np.ndarray | None:
     """`LossInputs.head_positions` for a `loss_mask f32[B,T]`: i32[B,K], each row's loss positions in
     order, padded with T; K is the largest count of any row rounded up to a multiple of ceil(T /
     HEAD_STEPS). None when K would be T (the head runs everywhere anyway)."""
-    rows, t = loss_mask.shape
+    t = loss_mask.shape[1]
     counts = (loss_mask > 0).sum(axis=1)
     step = -(-t // HEAD_STEPS)
     k = max(step, -(-int(counts.max(initial=0)) // step) * step)
