@@ -12,14 +12,16 @@ Models (random-init Qwen2, written as HF safetensors by rljax.models.tiny, read 
 `tiny` (vocab 512, d 128, 2 layers, 4/2 heads, MLP 256, tied: 0.36M params) and `small` (vocab 4096,
 d 512, 4 layers, 8/2 heads, MLP 1408, tied: 13.4M). Batch: `--rows` 32 sequences of `--prompt-len` 8 prompt
 tokens + `--completion-len` 32 completion tokens (every completion full length), one GRPO group per
-`--group` 8 rows, random advantages; beta 0, on-policy (old log-probs from the same forward), one
-optimizer step per update, global-norm clipping 1.0 + AdamW.
+`--group` 8 rows (sharing its prompt), random advantages; beta 0, on-policy (old log-probs from the same
+forward), one optimizer step per update, global-norm clipping 1.0 + AdamW.
 
 - rljax: `trainer.make_update` + `trainer.prepare_batch` (what the loop runs each step, host batch
   preparation and the metrics fetch included) with the default job's config (configs/grpo.py) on this model;
   sequences packed one per row (`trainer.tokens_per_micro_batch` = prompt + completion) and the whole batch
   in one micro-batch (`packed_rows_per_micro_batch=0`). `--variant` adds rljax runs with other settings
-  (`model.*` / `trainer.*` fields, e.g. `blockwise:model.attention_impl=blockwise`).
+  (`model.*` / `trainer.*` fields, e.g. `blockwise:model.attention_impl=blockwise`, or
+  `shared:trainer.tokens_per_micro_batch=272,trainer.share_prompts=true`: each group's 8 completions with
+  one copy of their prompt in a 272-token row; the peers process every prompt copy).
 - tunix: Tunix's own Qwen2, GRPO loss and train-step body (benchmarks/tunix_update.py).
 - plain: a plain JAX/optax implementation written for speed (benchmarks/plain_update.py).
 
@@ -55,9 +57,11 @@ TARGETS = {"tunix": 1.0, "plain": 1.1}
 
 
 def synthetic_batch(args, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(prompts i32[B,P], completions i32[B,C], advantages f32[B] standardized per group)."""
+    """(prompts i32[B,P], completions i32[B,C], advantages f32[B] standardized per group); the rows of a
+    group share their prompt, as in GRPO."""
     rng = np.random.default_rng(0)
-    prompts = rng.integers(10, vocab, (args.rows, args.prompt_len)).astype(np.int32)
+    prompts = rng.integers(10, vocab, (args.rows // args.group, args.prompt_len)).astype(np.int32)
+    prompts = np.repeat(prompts, args.group, axis=0)
     completions = rng.integers(10, vocab, (args.rows, args.completion_len)).astype(np.int32)
     rewards = rng.standard_normal((args.rows // args.group, args.group))
     adv = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-6)
@@ -85,11 +89,14 @@ def rljax_config(model_path: str, args, overrides: dict):
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """ "name:section.field=value,..." -> (name, {"section.field": value}) with ints/floats parsed."""
+    """ "name:section.field=value,..." -> (name, {"section.field": value}) with ints/floats/bools parsed."""
     name, _, spec = text.partition(":")
     out = {}
     for item in filter(None, spec.split(",")):
         key, value = item.split("=", 1)
+        if value in ("true", "false"):
+            out[key] = value == "true"
+            continue
         for cast in (int, float):
             try:
                 value = cast(value)

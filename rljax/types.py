@@ -41,7 +41,8 @@ class LossInputs:
       input_ids: i32[B,T] token ids fed to the model (prompt + completion, padded with 0).
       target_ids: i32[B,T] the next token at each position (0 where there is none).
       positions: i32[B,T] RoPE positions (restart at 0 for each packed segment).
-      segment_ids: i32[B,T] 0 = padding; tokens attend only within their own segment id.
+      segment_ids: i32[B,T] 0 = padding; tokens attend only within their own segment id (and, in a
+        packed row with shared prompts, to the prompt segment theirs continues: `layers.BRANCH_SHIFT`).
       loss_mask: f32[B,T] 1 exactly on policy-sampled target tokens.
       behavior_logp: f32[B,T] rollout engine log-prob of each sampled target token (0 off-mask).
       advantages: f32[B] per-sequence advantage (GRPO family; zeros for PPO, which uses GAE).
@@ -80,6 +81,12 @@ class LossInputs:
         return dataclasses.replace(self, **changes)
 
 
+# Shared prompts (`trainer.share_prompts`): a completion that continues a prompt stored once in its packed
+# row carries the segment id `prompt | (branch << BRANCH_SHIFT)` (branch >= 1), the prompt its own id
+# `prompt` (< 2**BRANCH_SHIFT). A token sees its own segment and the prompt segment it continues
+# (`rljax.models.layers.attention_mask`); a shared prompt has no loss tokens of its own.
+BRANCH_SHIFT = 16
+
 TOKEN_FIELDS = ("input_ids", "target_ids", "positions", "segment_ids", "loss_mask", "behavior_logp")
 SEQUENCE_FIELDS = ("advantages", "rewards", "group_ids", "policy_version")
 _DTYPES = {
@@ -115,10 +122,18 @@ def is_packed(batch: LossInputs) -> bool:
 
 
 def _segment_loss_counts(seg: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Loss tokens of each (row, segment > 0) present in a packed batch, as a flat array."""
-    flat = (np.arange(seg.shape[0])[:, None] * seg.shape[1] + seg)[seg > 0]
-    present = np.unique(flat)
-    return np.bincount(flat, weights=mask[seg > 0], minlength=seg.size)[present]
+    """Loss tokens of each (row, segment > 0) present in a packed batch, as a flat array; shared
+    prompts (segments another segment of the row continues, see BRANCH_SHIFT) are left out."""
+    rows, _ = np.nonzero(seg > 0)
+    keys = np.stack([rows, seg[seg > 0]], axis=1)
+    present, inverse = np.unique(keys, axis=0, return_inverse=True)
+    counts = np.bincount(inverse.reshape(-1), weights=mask[seg > 0], minlength=len(present))
+    branch = present[:, 1] >> BRANCH_SHIFT > 0
+    prompts = np.unique(
+        np.stack([present[branch, 0], present[branch, 1] & ((1 << BRANCH_SHIFT) - 1)], axis=1), axis=0
+    )
+    is_prompt = (present[:, None, :] == prompts[None, :, :]).all(axis=-1).any(axis=1)
+    return counts[~is_prompt]
 
 
 def validate_loss_inputs(batch: LossInputs, *, vocab_size: int | None = None) -> LossInputs:

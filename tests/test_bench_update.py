@@ -22,10 +22,12 @@ def test_bench_update_times_rljax_against_the_plain_floor(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cmd = [sys.executable, "benchmarks/bench_update.py", "--model", "tiny", "--rounds", "2", "--no-tunix"]
     cmd += ["--variant", "scanned:model.unroll_layers=1", "--json", str(out)]
+    # a group of 8 sharing its 8-token prompt: 8 + 8 x 33 = 272 tokens in one packed row
+    cmd += ["--variant", "shared:trainer.tokens_per_micro_batch=272,trainer.share_prompts=true"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.read_text())
-    assert set(s["seconds"]) == {"rljax", "scanned", "plain"}
+    assert set(s["seconds"]) == {"rljax", "scanned", "shared", "plain"}
     assert all(len(t) == 2 and min(t) > 0 for t in s["all"].values())
     ratio = s["ratios"]["rljax"]["plain"]
     assert ratio == pytest.approx(s["seconds"]["rljax"] / s["seconds"]["plain"])

@@ -29,6 +29,7 @@ RULES = {
         "rljax.kernels",
         "rljax.sharding",
         "rljax.registry",
+        "rljax.types",  # pure (jax, numpy): the batch contract's segment-id encoding (BRANCH_SHIFT)
         "rljax.hf_config",
         "transformers",
         "torch",

@@ -4,6 +4,7 @@
                        (`serving_dtype`, `canary_tolerance`)
     parsing.py         ConfigDict / dict / `--config.a.b=v` overrides -> `Config`, and back (`to_dict`)
     validation.py      `validate`: cross-field facts that need no devices; `mesh_shape`
+    packing_checks.py  the packed layout's part of `validate` (packing, micro-batches, shared prompts)
     runtime_checks.py  `validate_runtime`: the mesh, the model directory, the tokenizer
 
 Everything public is re-exported here: `from rljax.config import Config, validate` is the way to use it.

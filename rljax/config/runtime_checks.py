@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from rljax.config.packing_checks import SPLASH_SHARED_PROMPTS
 from rljax.config.schema import Config, ConfigError, DataConfig
 from rljax.config.validation import mesh_shape
 from rljax.kernels import check_backend
@@ -46,6 +47,11 @@ def validate_runtime(cfg: Config, num_devices: int) -> dict[str, int]:
             check_backend(cfg.trainer.logprob_impl)
         except ValueError as e:
             raise ConfigError("trainer.logprob_impl", str(e)) from None
+    if cfg.trainer.share_prompts:
+        from rljax.models.attention import resolve_attention_impl, sees_shared_prompts
+
+        if not sees_shared_prompts(resolve_attention_impl(cfg.model.attention_impl, cfg.model.compute_dtype)):
+            raise ConfigError("model.attention_impl", SPLASH_SHARED_PROMPTS)
     path = cfg.model.path
     if not os.path.isdir(path):
         raise ConfigError("model.path", f"no such directory: {path!r} (a local Hugging Face checkpoint)")

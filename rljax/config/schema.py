@@ -307,6 +307,9 @@ class TrainerConfig:
     # one packed row per data-parallel device; 0: one sequence per row, padded to a length bucket.
     tokens_per_micro_batch: int = 0
     packed_rows_per_micro_batch: int = 1  # packed rows per device per micro-batch; 0: whole minibatch
+    # packing: completions of one prompt store it once per packed row (same log-probs and loss; a group
+    # of G costs one prompt, not G). Built-in decoders and the xla attention paths (not splash).
+    share_prompts: bool = False
     epochs: int = 1  # update passes over each rollout batch
     minibatches: int = 1  # optimizer steps per epoch
     max_nonfinite_skips: int = 3  # consecutive skipped (non-finite) updates before the run stops

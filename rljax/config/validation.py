@@ -14,6 +14,7 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
+from rljax.config.packing_checks import validate_packing
 from rljax.config.parsing import field_types
 from rljax.config.schema import SANDBOX_MODES, Config, ConfigError, MeshConfig, RolloutConfig
 
@@ -212,7 +213,7 @@ def validate(cfg: Config) -> Config:
             "trainer.micro_batch_size",
             f"{tr.micro_batch_size} must be 0 or divide the minibatch size {minibatch}",
         )
-    _validate_packing(cfg, family)
+    validate_packing(cfg, family)
     _validate_prompts_and_profile(cfg)
     if cfg.algo.dual_clip_c and cfg.algo.dual_clip_c <= 1.0:
         raise ConfigError("algo.dual_clip_c", f"must be 0 (off) or > 1, got {cfg.algo.dual_clip_c}")
@@ -299,38 +300,6 @@ def _validate_servers(ro: RolloutConfig) -> None:
         raise ConfigError(
             "rollout.vllm.block_size",
             f"must be 0 (vLLM's default) or a positive multiple of 32, got {vc.block_size}",
-        )
-
-
-def _validate_packing(cfg: Config, family: Family) -> None:
-    tr = cfg.trainer
-    if tr.tokens_per_micro_batch < 0:
-        raise ConfigError(
-            "trainer.tokens_per_micro_batch", f"must be >= 0 (0: no packing), got {tr.tokens_per_micro_batch}"
-        )
-    if tr.packed_rows_per_micro_batch < 0:
-        raise ConfigError(
-            "trainer.packed_rows_per_micro_batch",
-            f"must be >= 0 (0: the whole minibatch in one micro-batch), got {tr.packed_rows_per_micro_batch}",
-        )
-    if not tr.tokens_per_micro_batch:
-        return
-    if tr.micro_batch_size:
-        raise ConfigError(
-            "trainer.micro_batch_size",
-            f"must be 0 with packing (trainer.tokens_per_micro_batch={tr.tokens_per_micro_batch}): "
-            "a micro-batch is then one packed row per data-parallel device",
-        )
-    if not family.packing:
-        raise ConfigError(
-            "trainer.tokens_per_micro_batch",
-            f"packing is not available for algo.family={cfg.algo.family!r}: {family.note}",
-        )
-    if tr.tokens_per_micro_batch <= cfg.rollout.max_tokens:
-        raise ConfigError(
-            "trainer.tokens_per_micro_batch",
-            f"{tr.tokens_per_micro_batch} cannot hold a prompt and "
-            f"rollout.max_tokens={cfg.rollout.max_tokens} completion tokens",
         )
 
 

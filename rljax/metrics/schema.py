@@ -111,6 +111,9 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
      "Positions per row the log-prob head runs at (the loss positions, rounded up) / row length."),
     ("batch/rank_token_imbalance", "ratio", "max",
      "Packing: max / mean real tokens over the data-parallel ranks (1 = balanced)."),
+    ("batch/shared_prompt_fraction", "fraction", "mean",
+     "Packing: tokens not processed because completions share their prompt (trainer.share_prompts) / "
+     "tokens of the batch unshared (0 when off)."),
     ("advantages/mean", "advantage", "mean", f"Mean advantage over {_S} (about 0 when group-normalized)."),
     ("advantages/std", "advantage", "std", f"Standard deviation (ddof=0) of the advantage over {_S}."),
     ("optim/grad_norm", "norm", "mean", "Global L2 norm of the gradient before clipping, mean over updates."),

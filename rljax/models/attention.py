@@ -5,9 +5,11 @@ One signature for every implementation (the mask is described, never passed as a
        q_segments i32[B,T], k_segments i32[B,S], block_size int) -> [B,T,H,hd] in q.dtype
 Query t sees key s iff `k_slots[s] <= q_slots[t]` (causal, also over a KV cache) and
 `q_segments[b, t] == k_segments[b, s]` (packing; segment 0 is padding and only sees padding, so no row is
-empty). H is a multiple of K (grouped-query attention: query head h uses KV head h // (H/K)). When
-T == S the slots are those of self-attention (`q_slots == k_slots`), which lets cuDNN skip the blocks
-above the diagonal. Scale 1/sqrt(hd); softmax statistics in float32.
+empty), or key s belongs to the shared prompt that query t's segment continues (`trainer.share_prompts`;
+`layers.attention_mask` is the rule, `rljax.types.BRANCH_SHIFT` the encoding; splash has no such mask).
+H is a multiple of K (grouped-query attention: query head h uses KV head h // (H/K)). When T == S the
+slots are those of self-attention (`q_slots == k_slots`), which lets cuDNN skip the blocks above the
+diagonal. Scale 1/sqrt(hd); softmax statistics in float32.
 
 - "materialized": the reference, float32 scores [B,K,G,T,S] at once (`layers.attend`).
 - "blockwise": flash attention in plain JAX (`rljax.models.blockwise`); CPU, and the fallback anywhere.
@@ -94,6 +96,7 @@ def splash_attention(q, k, v, *, q_slots, k_slots, q_segments, k_segments, block
     Self-attention only (T == S, slots 0..T-1, T a multiple of the block); the KV-cache path (its causal
     offset is the dynamic cache index, splash's is static) runs the blockwise implementation.
     Not wrapped in `shard_map` yet: call it under `shard_map` with the batch and heads sharded.
+    Segment equality only: shared prompts (`trainer.share_prompts`) are refused by the config check.
 
     References: `jax.experimental.pallas.ops.tpu.splash_attention`.
     """
@@ -118,6 +121,12 @@ def splash_attention(q, k, v, *, q_slots, k_slots, q_segments, k_segments, block
     segments = splash.SegmentIds(q=q_segments, kv=k_segments)
     out = jax.vmap(kernel)(heads_first(q * hd**-0.5), heads_first(k), heads_first(v), segment_ids=segments)
     return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+
+
+def sees_shared_prompts(name: str) -> bool:
+    """Whether implementation `name` applies `layers.attention_mask` (shared prompts included): every one
+    but splash, which compares segment ids only."""
+    return ATTENTION_IMPLS.get(name) is not splash_attention
 
 
 # Backend -> implementation picked by "auto".

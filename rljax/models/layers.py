@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rljax.types import BRANCH_SHIFT
+
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
 
@@ -48,13 +50,17 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def attention_mask(
     q_slots: jax.Array, k_slots: jax.Array, q_segments: jax.Array, k_segments: jax.Array
 ) -> jax.Array:
-    """bool[B,T,S]: query t sees key s iff `k_slot <= q_slot` and both carry the same segment id.
+    """bool[B,T,S]: query t sees key s iff `k_slot <= q_slot` and key s carries the query's segment id,
+    or the id of the shared prompt the query's segment continues (`q_segment % 2**BRANCH_SHIFT`; for a
+    segment that continues none, that is the segment itself).
 
     q_slots i32[T] / k_slots i32[S] are sequence (or cache) indices; segments i32[B,T] / i32[B,S].
     Padding (segment 0) only sees padding, so no row is empty and pad outputs stay finite.
     """
     causal = k_slots[None, :] <= q_slots[:, None]
-    same = q_segments[:, :, None] == k_segments[:, None, :]
+    prompt = jnp.bitwise_and(q_segments, (1 << BRANCH_SHIFT) - 1)
+    key = k_segments[:, None, :]
+    same = (q_segments[:, :, None] == key) | (prompt[:, :, None] == key)
     return causal[None] & same
 
 

@@ -52,6 +52,12 @@ def resolve_decoder(name: str) -> type:
     return cls
 
 
+def has_rljax_attention(name: str) -> bool:
+    """Whether decoder `name` ("auto", a `DECODERS` family or `package.module:Class`) is rljax's own,
+    whose attention applies `layers.attention_mask` (so it sees shared prompts)."""
+    return name == "auto" or resolve_decoder(name) is Decoder
+
+
 def decoder_class(config: ModelConfig) -> type:
     """The class that `config` names (`config.decoder`, else the built-in one of `config.family`)."""
     return resolve_decoder(config.decoder or config.family)

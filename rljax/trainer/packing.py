@@ -4,9 +4,14 @@ The loop hands the trainer the loss-input contract (`LossInputs`, one sampled se
 the host). With `trainer.tokens_per_micro_batch = N > 0` the trainer repacks it before it goes to the
 devices: whole sequences are placed first-fit-decreasing into rows of exactly N tokens, each with its
 own segment id (1, 2, ... within the row; 0 is padding) and positions restarting at 0, so attention,
-RoPE and every loss reduction stay per sequence. A micro-batch is then up to
-`trainer.packed_rows_per_micro_batch` packed rows per data-parallel device (default 1: the activations of
-N tokens per device, whatever the rollout lengths; see `trainer.step.num_micro_batches`).
+RoPE and every loss reduction stay per sequence. With `trainer.share_prompts` the sequences of a batch
+that start with the same prompt (a GRPO group) store it once per packed row: each completion keeps its
+own segment and positions and also attends to the prompt's segment (`shared_prompt_units`,
+`layers.attention_mask`), so every log-prob and the loss are those of the unshared batch, and a
+group of G completions costs one prompt instead of G (the idea of Liu et al. 2025, "Prefix Grouper",
+arXiv:2506.05433, here as a packing layout and a mask rule instead of a split attention). A micro-batch
+is then up to `trainer.packed_rows_per_micro_batch` packed rows per data-parallel device (default 1: the
+activations of N tokens per device, whatever the rollout lengths; see `trainer.step.num_micro_batches`).
 
 Per-sequence fields (advantages, rewards, group ids, policy versions) become per-token `[R, N]` arrays
 holding their sequence's value (0 on padding); the aggregations and sequence-level ratios reduce over
@@ -31,16 +36,69 @@ from jax.sharding import Mesh
 
 from rljax.config import Config
 from rljax.trainer.state import BATCH_AXES, shard_batch
-from rljax.types import SEQUENCE_FIELDS, TOKEN_FIELDS, LossInputs, validate_loss_inputs
+from rljax.types import BRANCH_SHIFT, SEQUENCE_FIELDS, TOKEN_FIELDS, LossInputs, validate_loss_inputs
+
+MAX_BRANCHES = (1 << (31 - BRANCH_SHIFT)) - 1  # completions per shared prompt: their ids fit int32
 
 
 @dataclasses.dataclass(frozen=True)
 class PackingPlan:
     """Which source rows go where. `rows[r]` lists the source rows packed, in order, into packed row r
-    (an empty tuple is a padding row); `row_len` is the packed row length N."""
+    (an empty tuple is a padding row); `row_len` is the packed row length N.
+
+    Shared prompts (`units` given to `plan_packing`): `shared[b]` is the length of the prompt source row b
+    shares with the other members of its unit (0: not shared), `skip[b]` the tokens of row b not copied
+    because an earlier member of its unit, in the same packed row, holds them (0 for a unit's first
+    member, which carries the prompt). Empty tuples: nothing is shared."""
 
     rows: tuple[tuple[int, ...], ...]
     row_len: int
+    shared: tuple[int, ...] = ()
+    skip: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """Source rows packed together: `members` share their first `prompt` positions (0: one sequence,
+    nothing shared). Its length in a packed row: `prompt + sum(length - prompt)`."""
+
+    members: tuple[int, ...]
+    prompt: int = 0
+
+    def length(self, lengths: Sequence[int]) -> int:
+        return self.prompt + sum(int(lengths[b]) - self.prompt for b in self.members)
+
+
+def shared_prompt_units(input_ids: np.ndarray, loss_mask: np.ndarray, lengths: Sequence[int], row_len: int):
+    """Units of the one-sequence rows of a batch that start with the same prompt (`trainer.share_prompts`).
+
+    A row's prompt is its positions before the first loss position: the last prompt token stays with
+    each completion (its position predicts the completion's first token, a different target per row),
+    so every position keeps one target and one log-prob. Rows with the same prompt tokens form a unit,
+    in order of first appearance; a unit longer than `row_len` is split into several (each repeats the
+    prompt). A row whose prompt no other row shares is a unit of its own (prompt 0).
+    """
+    first_loss = np.argmax(np.asarray(loss_mask) > 0, axis=1)  # validated: every row has a loss token
+    ids = np.asarray(input_ids)
+    groups: dict[tuple[int, bytes], list[int]] = {}
+    for b, f in enumerate(first_loss.tolist()):
+        groups.setdefault((f, ids[b, :f].tobytes()), []).append(b)
+    units: list[Unit] = []
+    for (prompt, _), members in groups.items():
+        if len(members) == 1 or prompt == 0:
+            units += [Unit((b,)) for b in members]
+            continue
+        current: list[int] = []
+        size = prompt
+        for b in members:
+            extra = int(lengths[b]) - prompt
+            if current and (size + extra > row_len or len(current) == MAX_BRANCHES):
+                units.append(Unit(tuple(current), prompt if len(current) > 1 else 0))
+                current, size = [], prompt
+            current.append(b)
+            size += extra
+        units.append(Unit(tuple(current), prompt if len(current) > 1 else 0))
+    return units
 
 
 def first_fit_decreasing(lengths: Sequence[int], row_len: int) -> list[list[int]]:
@@ -78,14 +136,23 @@ def balance_over_ranks(bins: list[list[int]], fills: list[int], num_ranks: int) 
 
 
 def plan_packing(
-    lengths: Sequence[int], *, row_len: int, num_ranks: int = 1, rows_multiple: int = 1
+    lengths: Sequence[int],
+    *,
+    row_len: int,
+    num_ranks: int = 1,
+    rows_multiple: int = 1,
+    units: Sequence[Unit] | None = None,
 ) -> PackingPlan:
     """PackingPlan for sequences of `lengths` tokens into rows of `row_len`, the row count rounded up to
     a multiple of `rows_multiple` (itself a multiple of `num_ranks`) with empty rows, balanced over ranks.
+    `units` (`shared_prompt_units`): sequences packed together with their prompt stored once; default one
+    unit per sequence.
 
     Raises ValueError for a sequence longer than a row (it could only be split, which would change its
     attention and its per-sequence loss; `layout_batch` sizes rows with `packed_row_length` first).
     """
+    if units is not None:
+        return _plan_units(lengths, units, row_len=row_len, num_ranks=num_ranks, rows_multiple=rows_multiple)
     if rows_multiple % num_ranks:
         raise ValueError(f"rows_multiple={rows_multiple} is not a multiple of num_ranks={num_ranks}")
     too_long = [int(n) for n in lengths if n > row_len]
@@ -102,6 +169,18 @@ def plan_packing(
     return PackingPlan(rows=tuple(tuple(b) for b in ordered), row_len=row_len)
 
 
+def _plan_units(lengths, units, *, row_len, num_ranks, rows_multiple) -> PackingPlan:
+    """`plan_packing` of whole units (first-fit-decreasing on their lengths)."""
+    unit_lengths = [u.length(lengths) for u in units]
+    base = plan_packing(unit_lengths, row_len=row_len, num_ranks=num_ranks, rows_multiple=rows_multiple)
+    shared, skip = [0] * len(lengths), [0] * len(lengths)
+    for u in units:
+        for i, b in enumerate(u.members):
+            shared[b], skip[b] = u.prompt, u.prompt if i else 0
+    rows = tuple(tuple(b for u in row for b in units[u].members) for row in base.rows)
+    return PackingPlan(rows=rows, row_len=row_len, shared=tuple(shared), skip=tuple(skip))
+
+
 def sequence_lengths(batch: LossInputs) -> np.ndarray:
     """i32[B]: the real (non-padding) positions of each one-sequence row."""
     return (np.asarray(batch.segment_ids) > 0).sum(axis=1).astype(np.int32)
@@ -116,22 +195,41 @@ def pack_token_arrays(arrays: dict, segment_ids: np.ndarray, plan: PackingPlan) 
     for r, members in enumerate(plan.rows):
         offset = 0
         for b in members:
-            keep = real[b]
-            n = int(keep.sum())
+            keep = np.flatnonzero(real[b])[_skip(plan, b) :]
+            n = len(keep)
             for name, x in arrays.items():
                 out[name][r, offset : offset + n] = np.asarray(x)[b][keep]
             offset += n
     return out
 
 
+def _skip(plan: PackingPlan, b: int) -> int:
+    return plan.skip[b] if plan.skip else 0
+
+
 def packed_segment_ids(plan: PackingPlan, lengths: Sequence[int]) -> np.ndarray:
-    """i32[R, N]: 1, 2, ... for the sequences of each packed row, in order; 0 on padding."""
+    """i32[R, N]: 1, 2, ... for the sequences of each packed row, in order; 0 on padding. With shared
+    prompts a unit's prompt gets the next id p and its completions `p | (k << BRANCH_SHIFT)`,
+    k = 1, 2, ... (see `layers.attention_mask`)."""
     out = np.zeros((len(plan.rows), plan.row_len), np.int32)
     for r, members in enumerate(plan.rows):
-        offset = 0
-        for seg, b in enumerate(members, start=1):
-            out[r, offset : offset + int(lengths[b])] = seg
-            offset += int(lengths[b])
+        offset, seg, branch = 0, 0, 0
+        for b in members:
+            n, skip = int(lengths[b]), _skip(plan, b)
+            shared = plan.shared[b] if plan.shared else 0
+            if not skip:  # a new unit: a plain sequence, or a shared prompt and its first completion
+                seg, branch = seg + 1, 0
+                out[r, offset : offset + shared] = seg
+                offset, n = offset + shared, n - shared
+            if shared:
+                branch += 1
+                n -= skip
+            if branch and seg >= 1 << BRANCH_SHIFT:
+                raise ValueError(
+                    f"{seg} sequences in a packed row: shared prompts take at most {(1 << BRANCH_SHIFT) - 1}"
+                )
+            out[r, offset : offset + n] = seg | (branch << BRANCH_SHIFT)
+            offset += n
     return out
 
 
@@ -199,16 +297,22 @@ def layout_batch(cfg: Config, batch: LossInputs, data_parallel: int) -> tuple[Lo
     `trainer.tokens_per_micro_batch` tokens (grown by `packed_row_length` for a longer sequence; row
     count a multiple of data_parallel x trainer.minibatches) when that is > 0, else the batch as given.
     The head runs at the loss positions only (`head_positions`). Metrics: `batch/pad_fraction`,
-    `batch/rows`, `batch/head_fraction`, and when packed `batch/rank_token_imbalance` and
-    `batch/row_length`."""
+    `batch/rows`, `batch/head_fraction`, and when packed `batch/rank_token_imbalance`,
+    `batch/row_length` and `batch/shared_prompt_fraction` (tokens saved by `trainer.share_prompts`)."""
     n = cfg.trainer.tokens_per_micro_batch
     if n:
         lengths = sequence_lengths(batch)
+        row_len = packed_row_length(n, int(lengths.max()))
+        units = None
+        if cfg.trainer.share_prompts:
+            ids, mask = np.asarray(batch.input_ids), np.asarray(batch.loss_mask)
+            units = shared_prompt_units(ids, mask, lengths, row_len)
         plan = plan_packing(
             lengths,
-            row_len=packed_row_length(n, int(lengths.max())),
+            row_len=row_len,
             num_ranks=data_parallel,
             rows_multiple=data_parallel * cfg.trainer.minibatches,
+            units=units,
         )
         batch = pack_loss_inputs(batch, plan)
     batch = batch.replace(head_positions=head_positions(np.asarray(batch.loss_mask)))
@@ -218,6 +322,9 @@ def layout_batch(cfg: Config, batch: LossInputs, data_parallel: int) -> tuple[Lo
     if n:
         metrics["batch/rank_token_imbalance"] = rank_token_imbalance(batch, data_parallel)
         metrics["batch/row_length"] = float(batch.input_ids.shape[1])
+        metrics["batch/shared_prompt_fraction"] = (
+            1.0 - (np.asarray(batch.segment_ids) > 0).sum() / lengths.sum()
+        )
     return batch, metrics
 
 
