@@ -24,6 +24,16 @@ def test_roundtrip_defaults_is_identity():
     assert C.from_config_dict(C.to_dict(cfg)) == cfg
 
 
+def test_a_config_saved_as_json_reads_back_equal_and_valid():
+    """What a run saves with its checkpoints (`to_dict` -> JSON) and `rljax.eval --workdir` reads back:
+    nested pairs (`reward.options`, `data.source_options`) come back as tuples, not lists."""
+    cfg = C.validate(C.from_config_dict(load_config_file("smollm2_math")))
+    assert cfg.reward.options and cfg.data.source_options
+    back = C.from_config_dict(json.loads(json.dumps(C.to_dict(cfg))))
+    assert back == cfg
+    C.validate(back)
+
+
 def test_fixed_field_names_exist():
     names = C.field_types()
     for key in [

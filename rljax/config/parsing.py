@@ -85,8 +85,14 @@ def _coerce(name: str, typ: type, value: Any) -> Any:
             return value
     elif typ is tuple:
         if isinstance(value, (tuple, list)):
-            return tuple(value)
+            return _tuples(value)
     raise ConfigError(name, f"expected {typ.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _tuples(value: Any) -> Any:
+    """Lists at any depth as tuples: a config saved as JSON (`to_dict`) reads back equal to the one
+    written in Python (nested pairs such as `reward.options`)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (tuple, list)) else value
 
 
 def _build(cls, data: Any, prefix: str):
