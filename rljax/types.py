@@ -42,7 +42,7 @@ class LossInputs:
       target_ids: i32[B,T] the next token at each position (0 where there is none).
       positions: i32[B,T] RoPE positions (restart at 0 for each packed segment).
       segment_ids: i32[B,T] 0 = padding; tokens attend only within their own segment id (and, in a
-        packed row with shared prompts, to the prompt segment theirs continues: `layers.BRANCH_SHIFT`).
+        packed row with shared prompts, to the prompt segment theirs continues: `BRANCH_SHIFT` below).
       loss_mask: f32[B,T] 1 exactly on policy-sampled target tokens.
       behavior_logp: f32[B,T] rollout engine log-prob of each sampled target token (0 off-mask).
       advantages: f32[B] per-sequence advantage (GRPO family; zeros for PPO, which uses GAE).
