@@ -49,12 +49,12 @@ class PackingPlan:
     Shared prompts (`units` given to `plan_packing`): `shared[b]` is the length of the prompt source row b
     shares with the other members of its unit (0: not shared), `skip[b]` the tokens of row b not copied
     because an earlier member of its unit, in the same packed row, holds them (0 for a unit's first
-    member, which carries the prompt). Empty tuples: nothing is shared."""
+    member, which carries the prompt)."""
 
     rows: tuple[tuple[int, ...], ...]
     row_len: int
-    shared: tuple[int, ...] = ()
-    skip: tuple[int, ...] = ()
+    shared: tuple[int, ...]
+    skip: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +166,8 @@ def plan_packing(
     bins += [[] for _ in range(-len(bins) % rows_multiple)]
     fills = [sum(int(lengths[i]) for i in b) for b in bins]
     ordered = balance_over_ranks(bins, fills, num_ranks)
-    return PackingPlan(rows=tuple(tuple(b) for b in ordered), row_len=row_len)
+    none = (0,) * len(lengths)
+    return PackingPlan(rows=tuple(tuple(b) for b in ordered), row_len=row_len, shared=none, skip=none)
 
 
 def _plan_units(lengths, units, *, row_len, num_ranks, rows_multiple) -> PackingPlan:
@@ -195,16 +196,12 @@ def pack_token_arrays(arrays: dict, segment_ids: np.ndarray, plan: PackingPlan) 
     for r, members in enumerate(plan.rows):
         offset = 0
         for b in members:
-            keep = np.flatnonzero(real[b])[_skip(plan, b) :]
+            keep = np.flatnonzero(real[b])[plan.skip[b] :]
             n = len(keep)
             for name, x in arrays.items():
                 out[name][r, offset : offset + n] = np.asarray(x)[b][keep]
             offset += n
     return out
-
-
-def _skip(plan: PackingPlan, b: int) -> int:
-    return plan.skip[b] if plan.skip else 0
 
 
 def packed_segment_ids(plan: PackingPlan, lengths: Sequence[int]) -> np.ndarray:
@@ -215,8 +212,7 @@ def packed_segment_ids(plan: PackingPlan, lengths: Sequence[int]) -> np.ndarray:
     for r, members in enumerate(plan.rows):
         offset, seg, branch = 0, 0, 0
         for b in members:
-            n, skip = int(lengths[b]), _skip(plan, b)
-            shared = plan.shared[b] if plan.shared else 0
+            n, skip, shared = int(lengths[b]), plan.skip[b], plan.shared[b]
             if not skip:  # a new unit: a plain sequence, or a shared prompt and its first completion
                 seg, branch = seg + 1, 0
                 out[r, offset : offset + shared] = seg

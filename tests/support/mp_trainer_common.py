@@ -66,12 +66,23 @@ def mesh_of(devices, data: int = 1, fsdp: int = 1, tensor: int = 1) -> Mesh:
 def loss_inputs(seed: int, vocab: int, rows: int = ROWS, length: int = LENGTH) -> LossInputs:
     """Random padded prompt+completion rows obeying the LossInputs contract (behavior_logp zero)."""
     rng = np.random.default_rng(seed)
-    z = lambda dt: np.zeros((rows, length), dt)  # noqa: E731
-    ids, tgt, pos, seg, mask = z(np.int32), z(np.int32), z(np.int32), z(np.int32), z(np.float32)
-    for r in range(rows):
+    sequences, prompts = [], []
+    for _ in range(rows):
         prompt = int(rng.integers(2, 8))
         total = int(rng.integers(prompt + 3, length + 1))
-        toks = rng.integers(3, vocab, size=total).astype(np.int32)
+        sequences.append(rng.integers(3, vocab, size=total).astype(np.int32))
+        prompts.append(prompt)
+    return rows_loss_inputs(sequences, prompts, rng, length)
+
+
+def rows_loss_inputs(sequences, prompts, rng, length: int = LENGTH) -> LossInputs:
+    """One row per token array of `sequences` (its first `prompts[r]` tokens the prompt), padded to
+    `length`; random advantages and 0/1 rewards drawn from `rng`, groups of 4 rows, behavior_logp zero."""
+    rows = len(sequences)
+    z = lambda dt: np.zeros((rows, length), dt)  # noqa: E731
+    ids, tgt, pos, seg, mask = z(np.int32), z(np.int32), z(np.int32), z(np.int32), z(np.float32)
+    for r, (toks, prompt) in enumerate(zip(sequences, prompts, strict=True)):
+        total = len(toks)
         ids[r, :total], seg[r, :total], pos[r, :total] = toks, 1, np.arange(total)
         tgt[r, : total - 1] = toks[1:]
         mask[r, prompt - 1 : total - 1] = 1.0

@@ -21,35 +21,22 @@ from rljax.trainer.step import make_grad_fn
 from rljax.types import BRANCH_SHIFT, BatchError, LossInputs, validate_loss_inputs
 
 ROW_LEN = 64
-GROUP = 4
+GROUP = 4  # rows_loss_inputs numbers groups of 4 rows
 
 
 def grouped_inputs(seed: int, vocab: int, rows: int = C.ROWS, length: int = C.LENGTH) -> LossInputs:
     """Rows in groups of GROUP that share a prompt (2-9 tokens); the last group's last row has its own
     prompt (a unit of one inside a shared batch)."""
     rng = np.random.default_rng(seed)
-    z = lambda dt: np.zeros((rows, length), dt)  # noqa: E731
-    ids, tgt, pos, seg, mask = z(np.int32), z(np.int32), z(np.int32), z(np.int32), z(np.float32)
+    sequences, prompts = [], []
     for r in range(rows):
         if r % GROUP == 0 or r == rows - 1:
             prompt = rng.integers(3, vocab, size=int(rng.integers(2, 10))).astype(np.int32)
         total = int(rng.integers(len(prompt) + 3, length + 1))
-        toks = np.concatenate([prompt, rng.integers(3, vocab, size=total - len(prompt)).astype(np.int32)])
-        ids[r, :total], seg[r, :total], pos[r, :total] = toks, 1, np.arange(total)
-        tgt[r, : total - 1] = toks[1:]
-        mask[r, len(prompt) - 1 : total - 1] = 1.0
-    return LossInputs(
-        input_ids=ids,
-        target_ids=tgt,
-        positions=pos,
-        segment_ids=seg,
-        loss_mask=mask,
-        behavior_logp=np.zeros((rows, length), np.float32),
-        advantages=rng.normal(size=rows).astype(np.float32),
-        rewards=rng.integers(0, 2, size=rows).astype(np.float32),
-        group_ids=(np.arange(rows) // GROUP).astype(np.int32),
-        policy_version=np.zeros(rows, np.int32),
-    )
+        completion = rng.integers(3, vocab, size=total - len(prompt)).astype(np.int32)
+        sequences.append(np.concatenate([prompt, completion]))
+        prompts.append(len(prompt))
+    return C.rows_loss_inputs(sequences, prompts, rng, length)
 
 
 @pytest.fixture(scope="module")
