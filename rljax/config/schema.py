@@ -72,7 +72,9 @@ class ModelConfig:
     # A name in rljax.models.ATTENTION_IMPLS, or "auto" (GPU: cuDNN through jax.nn.dot_product_attention,
     # TPU: Pallas splash attention, CPU: blockwise online-softmax attention in plain JAX).
     attention_impl: str = "auto"
-    attention_block_size: int = 512  # query/key block of the blockwise attention (tokens)
+    # Query/key block of the blockwise attention (tokens); it reads only the blocks the mask lets a query
+    # block see, so packed rows of short sequences run fastest in small blocks (CPU: 64).
+    attention_block_size: int = 512
     # Layers per iteration of the scanned stack (jax.lax.scan's unroll): 1 compiles one layer body whatever
     # the depth; the stack's depth runs it straight-line (XLA fuses across layers, no per-layer weight
     # slices: ~9% of a small model's update on CPU); 0 (auto): straight-line up to

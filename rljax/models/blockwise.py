@@ -3,11 +3,17 @@
 The forward runs an online softmax over key blocks for each query block (scores `[B,K,G,bq,bk]` per step,
 never `[T,S]`) and saves only the output and the float32 log-sum-exp; the backward (a `jax.custom_vjp`)
 recomputes each block's probabilities from the log-sum-exp (FlashAttention-2: `D = rowsum(dO * O)`,
-`dS = P * (dP - D)`). Key blocks that the causal mask rules out for a whole query block are skipped
-(dynamic loop bounds from the slots, so the KV-cache path, whose query slots start at the cache index,
-skips the unwritten tail too). Grouped-query heads are a `[K, G]` split of the query heads: k/v are never
-repeated. Everything is batched over B and the heads, so under `jit` with the batch and heads sharded
-each device runs its own rows and heads, with no collective.
+`dS = P * (dP - D)`). Only the key blocks that the mask lets some query of a query block see are read,
+whatever rules the others out: the causal order (so the KV-cache path, whose query slots start at the
+cache index, skips the unwritten tail too) and the segments of packed rows (a query block of one short
+sequence reads its own blocks and its shared prompt's, not the row's other sequences). The block map
+(`_needed_blocks`, the mask reduced to blocks, one query block at a time) gives each query block the
+list of its key blocks and each key block the list of its query blocks, so the loops run over those
+lists (skipping a wholly masked block changes nothing: its probabilities are exactly 0). Grouped-query
+heads are a `[K, G]` split of the query heads: k/v are never repeated. Everything is batched over B and
+the heads, so under `jit` with the batch and heads sharded each device runs its own rows and heads; the
+only collective is the block map's reduction over the rows (`[nq, nk]` booleans), so a sharded batch
+reads the union of its rows' blocks.
 
 References: Dao et al. 2022, FlashAttention (arXiv:2205.14135); Dao 2023, FlashAttention-2
 (arXiv:2307.08691); Rabe & Staats 2021, "Self-attention Does Not Need O(n^2) Memory" (arXiv:2112.05682).
@@ -62,17 +68,23 @@ def _key_block(k, v, ks, kseg, j, bk: int):
     return _block(k, 1, j, bk), _block(v, 1, j, bk), _block(ks, 0, j, bk), _block(kseg, 1, j, bk)
 
 
-def _block_ranges(qs: jax.Array, ks: jax.Array, bq: int, bk: int) -> tuple[jax.Array, jax.Array]:
-    """Causal block skipping. (k_end i32[nq], q_start i32[nk]): query block i reads key blocks
-    [0, k_end[i]) and key block j is read by query blocks [q_start[j], nq); every block outside is
-    wholly masked. Exact for any slots (blocks inside the ranges are masked element-wise)."""
-    qmax = qs.reshape(-1, bq).max(axis=1)
-    kmin = ks.reshape(-1, bk).min(axis=1)
-    needed = kmin[None, :] <= qmax[:, None]  # [nq, nk]
-    nq, nk = needed.shape
-    k_end = jnp.where(needed.any(axis=1), nk - jnp.argmax(needed[:, ::-1], axis=1), 0)
-    q_start = jnp.where(needed.any(axis=0), jnp.argmax(needed, axis=0), nq)
-    return k_end.astype(jnp.int32), q_start.astype(jnp.int32)
+def _needed_blocks(qs, ks, qseg, kseg, bq: int, bk: int) -> jax.Array:
+    """bool[nq, nk]: some query of block i sees some key of block j, in some row (`layers.attention_mask`
+    reduced to blocks). Built one query block at a time: peak `[B, bq, Sp]` booleans."""
+    nk = ks.shape[0] // bk
+
+    def query_block(i):
+        m = layers.attention_mask(_block(qs, 0, i, bq), ks, _block(qseg, 1, i, bq), kseg)  # [B,bq,Sp]
+        return m.reshape(m.shape[0], bq, nk, bk).any(axis=(0, 1, 3))
+
+    return jax.lax.map(query_block, jnp.arange(qs.shape[0] // bq))
+
+
+def _block_lists(needed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(order i32[n, m], count i32[n]) for needed bool[n, m]: row i's needed columns are
+    `order[i, :count[i]]`, ascending (a stable sort puts them first)."""
+    order = jnp.argsort(~needed, axis=1, stable=True)
+    return order.astype(jnp.int32), needed.sum(axis=1).astype(jnp.int32)
 
 
 def _scores(q_i, k_j, qs_i, ks_j, qseg_i, kseg_j):
@@ -86,14 +98,14 @@ def _scores(q_i, k_j, qs_i, ks_j, qseg_i, kseg_j):
 def _forward(bq, bk, q, k, v, qs, ks, qseg, kseg):
     """-> (out [B,Tp,K,G,hd] in q.dtype, lse f32[B,K,G,Tp]); q [B,Tp,K,G,hd], k/v [B,Sp,K,hd]."""
     b, tp, kh, g, hd = q.shape
-    k_end, _ = _block_ranges(qs, ks, bq, bk)
+    k_blocks, k_count = _block_lists(_needed_blocks(qs, ks, qseg, kseg, bq, bk))
 
     def query_block(_, i):
         q_i, qs_i, qseg_i = _block(q, 1, i, bq), _block(qs, 0, i, bq), _block(qseg, 1, i, bq)
 
-        def key_step(j, carry):
+        def key_step(n, carry):
             o, m, denom = carry  # running output, row max, row sum of exp(s - m)
-            k_j, v_j, ks_j, kseg_j = _key_block(k, v, ks, kseg, j, bk)
+            k_j, v_j, ks_j, kseg_j = _key_block(k, v, ks, kseg, k_blocks[i, n], bk)
             s, _ = _scores(q_i, k_j, qs_i, ks_j, qseg_i, kseg_j)
             m_new = jnp.maximum(m, s.max(axis=-1))
             alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new[..., None])
@@ -102,7 +114,7 @@ def _forward(bq, bk, q, k, v, qs, ks, qseg, kseg):
 
         o = jnp.zeros_like(jnp.einsum("bqkgd->bkgqd", q_i), jnp.float32)  # *_like: keeps explicit shardings
         init = (o, jnp.full_like(o[..., 0], _MASKED), jnp.zeros_like(o[..., 0]))
-        o, m, denom = jax.lax.fori_loop(0, k_end[i], key_step, init)
+        o, m, denom = jax.lax.fori_loop(0, k_count[i], key_step, init)
         denom = jnp.where(
             denom == 0.0, 1.0, denom
         )  # a query block that reads no key block (not in the decoder)
@@ -130,16 +142,17 @@ def _flash_bwd(bq, bk, residuals, dout):
     accumulating dk/dv for the block and adding into a float32 dq."""
     q, k, v, qs, ks, qseg, kseg, out, lse = residuals
     b, tp, kh, g, hd = q.shape
-    nq, sp = tp // bq, k.shape[1]
-    _, q_start = _block_ranges(qs, ks, bq, bk)
+    sp = k.shape[1]
+    q_blocks, q_count = _block_lists(_needed_blocks(qs, ks, qseg, kseg, bq, bk).T)
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", dout.astype(jnp.float32), out.astype(jnp.float32))
     f32 = dict(preferred_element_type=jnp.float32)
 
     def key_block(dq, j):
         k_j, v_j, ks_j, kseg_j = _key_block(k, v, ks, kseg, j, bk)
 
-        def query_step(i, carry):
+        def query_step(n, carry):
             dq, dk_j, dv_j = carry
+            i = q_blocks[j, n]
             q_i, do_i = _block(q, 1, i, bq), _block(dout, 1, i, bq)
             s, mask = _scores(q_i, k_j, _block(qs, 0, i, bq), ks_j, _block(qseg, 1, i, bq), kseg_j)
             p = jnp.where(mask, jnp.exp(s - _block(lse, 3, i, bq)[..., None]), 0.0)
@@ -151,7 +164,7 @@ def _flash_bwd(bq, bk, residuals, dout):
             return jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * bq, axis=1), dk_j, dv_j
 
         zeros = jnp.zeros_like(k_j, jnp.float32)
-        dq, dk_j, dv_j = jax.lax.fori_loop(q_start[j], nq, query_step, (dq, zeros, zeros))
+        dq, dk_j, dv_j = jax.lax.fori_loop(0, q_count[j], query_step, (dq, zeros, zeros))
         return dq, (dk_j, dv_j)
 
     dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros_like(q, jnp.float32), jnp.arange(sp // bk))

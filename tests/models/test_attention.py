@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 from rljax import sharding
 from rljax.models import attention
 from rljax.models.attention import ATTENTION_IMPLS, resolve_attention_impl
-from rljax.models.blockwise import _block_ranges
+from rljax.models.blockwise import _block_lists, _needed_blocks
+from rljax.types import BRANCH_SHIFT
 
 TOL = 1e-5  # the issue's bound for float32 parity, values and gradients
 BLOCK = 16  # small blocks so the test shapes span several query and key blocks
@@ -111,13 +112,61 @@ def test_decode_step_one_query_over_the_cache():
     assert max(max_diff(g, r) for g, r in zip(grads, ref_grads, strict=True)) <= TOL
 
 
-def test_block_ranges_skip_what_the_causal_mask_rules_out():
-    slots = jnp.arange(64, dtype=jnp.int32)
-    k_end, q_start = _block_ranges(slots, slots, 16, 16)
-    assert k_end.tolist() == [1, 2, 3, 4] and q_start.tolist() == [0, 1, 2, 3]
+def block_lists(qs, ks, qseg, kseg, bq, bk):
+    """[[key blocks of query block i]], [[query blocks of key block j]] as lists."""
+    needed = _needed_blocks(qs, ks, qseg, kseg, bq, bk)
+    (k_order, k_count), (q_order, q_count) = _block_lists(needed), _block_lists(needed.T)
+    keys = [k_order[i, : k_count[i]].tolist() for i in range(needed.shape[0])]
+    return keys, [q_order[j, : q_count[j]].tolist() for j in range(needed.shape[1])]
+
+
+def test_block_lists_skip_what_the_causal_mask_rules_out():
+    slots, one = jnp.arange(64, dtype=jnp.int32), jnp.ones((1, 64), jnp.int32)
+    keys, queries = block_lists(slots, slots, one, one, 16, 16)
+    assert keys == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
+    assert queries == [[0, 1, 2, 3], [1, 2, 3], [2, 3], [3]]
     # KV cache: 13 queries at slots 20..32 read key blocks [0,16) [16,32) [32,48), never [48,64).
-    k_end, q_start = _block_ranges(20 + jnp.arange(13, dtype=jnp.int32), slots, 13, 16)
-    assert k_end.tolist() == [3] and q_start.tolist() == [0, 0, 0, 1]
+    qs = 20 + jnp.arange(13, dtype=jnp.int32)
+    keys, queries = block_lists(qs, slots, one[:, :13], one, 13, 16)
+    assert keys == [[0, 1, 2]] and queries == [[0], [0], [0], []]
+
+
+def test_block_lists_skip_the_other_sequences_of_a_packed_row():
+    """A shared prompt (segment 1, 16 tokens) and three 16-token completions continuing it, then a
+    32-token sequence (segment 2): each completion's block reads the prompt's and its own, not its
+    siblings'; the last sequence reads only its own two blocks. Two rows: the union of their needs."""
+    branch = lambda b: 1 | (b << BRANCH_SHIFT)  # noqa: E731
+    row = np.repeat([1, branch(1), branch(2), branch(3), 2], [16, 16, 16, 16, 32]).astype(np.int32)
+    slots = jnp.arange(96, dtype=jnp.int32)
+    seg = jnp.asarray(row[None])
+    keys, queries = block_lists(slots, slots, seg, seg, 16, 16)
+    assert keys == [[0], [0, 1], [0, 2], [0, 3], [4], [4, 5]]
+    assert queries == [[0, 1, 2, 3], [1], [2], [3], [4, 5], [5]]
+    other = np.repeat([3, 4], [48, 48]).astype(np.int32)  # a second row: two 48-token sequences
+    keys, _ = block_lists(slots, slots, *(jnp.asarray(np.stack([row, other])),) * 2, 16, 16)
+    assert keys == [[0], [0, 1], [0, 1, 2], [0, 3], [3, 4], [3, 4, 5]]
+
+
+def test_blockwise_never_reads_the_blocks_of_other_sequences():
+    """NaN in the keys and values of one packed sequence: the materialized reference turns NaN everywhere
+    (0 * NaN in probs @ v), blockwise keeps every other sequence's outputs and gradients finite and
+    equal to those on clean inputs."""
+    t, bs = 64, 16
+    seg = jnp.asarray(np.repeat([1, 2, 3], [16, 16, 32]).astype(np.int32)[None])
+    slots = jnp.arange(t, dtype=jnp.int32)
+    rng = np.random.RandomState(3)
+    q, k, v = (jnp.asarray(rng.randn(1, t, n, 8), jnp.float32) for n in (4, 2, 2))
+    dirty = [x.at[:, 16:32].set(jnp.nan) for x in (k, v)]  # segment 2's block
+    mask_args = dict(q_slots=slots, k_slots=slots, q_segments=seg, k_segments=seg)
+    fn = ATTENTION_IMPLS.get("blockwise")
+    assert np.isnan(np.asarray(ATTENTION_IMPLS.get("materialized")(q, *dirty, **mask_args))[:, 32:]).any()
+    out, clean = fn(q, *dirty, **mask_args, block_size=bs), fn(q, k, v, **mask_args, block_size=bs)
+    others = np.r_[0:16, 32:64]
+    assert np.array_equal(np.asarray(out)[:, others], np.asarray(clean)[:, others])
+    _, grads = value_and_grads(fn, (q, *dirty), mask_args, block_size=bs)
+    _, ref = value_and_grads(fn, (q, k, v), mask_args, block_size=bs)
+    for g, r in zip(grads, ref, strict=True):
+        assert np.array_equal(np.asarray(g)[:, others], np.asarray(r)[:, others])
 
 
 def test_blockwise_never_reads_skipped_key_blocks():
