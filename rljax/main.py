@@ -59,10 +59,13 @@ def start(cfg: config_lib.Config, workdir: str) -> None:
     preflight_or_fail(cfg)
     from rljax.checkpoint import CheckpointError, CheckpointMismatchError
     from rljax.loop.train import train
+    from rljax.models.hf import CheckpointFormatError
     from rljax.rollout import EngineCrashError, RecoveryExhaustedError
 
     try:
         train(cfg, workdir, examples=examples)
+    except CheckpointFormatError as e:  # found while loading the weights (e.g. a NaN), before any server
+        fail(f"config: model.path: {e}")
     except CheckpointMismatchError as e:  # the workdir's checkpoints were saved with another config
         fail(f"checkpoint: {e}")
     except CheckpointError as e:  # not a user error: exit 1, still one line

@@ -13,22 +13,47 @@ import sys
 from rljax import config as config_lib
 from rljax.errors import fail  # the entry points' one-line user errors (also used as `runtime.fail`)
 
+# The integer variables of a job (set by the launchers or the user), with their least valid value: each
+# is checked before JAX starts, so a malformed one is one line (exit 2), not a traceback from int().
+_INT_VARIABLES = {"RLJAX_CPU_DEVICES": 1, "RLJAX_NUM_PROCESSES": 1, "RLJAX_PROCESS_ID": 0}
+
+
+def _env_ints(name: str, least: int, *, sep: str | None = None) -> list[int] | None:
+    """The integers in variable `name` (one, or a `sep`-separated list), each >= `least`; None when unset
+    or empty; fails with one line naming the variable otherwise."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return None
+    try:
+        values = [int(part) for part in (raw.split(sep) if sep else [raw])]
+    except ValueError:
+        values = []
+    if not values or min(values) < least:
+        what = "a comma-separated list of integers" if sep else "an integer"
+        fail(f"{name} must be {what} >= {least}, got {raw!r}")
+    return values
+
+
+def _check_variables() -> None:
+    for name, least in _INT_VARIABLES.items():
+        _env_ints(name, least)
+    _local_device_ids()
+
 
 def _set_cpu_device_count() -> None:
     """RLJAX_CPU_DEVICES=k gives this process k simulated CPU devices (before the CPU backend starts)."""
-    count = os.environ.get("RLJAX_CPU_DEVICES")
-    if not count:
+    count = _env_ints("RLJAX_CPU_DEVICES", 1)
+    if count is None:
         return
     flags = [
         f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
     ]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={int(count)}"])
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count[0]}"])
 
 
 def _local_device_ids() -> list[int] | None:
     """RLJAX_LOCAL_DEVICE_IDS="0,1,2,3": the GPUs one process drives (one process per node with K devices)."""
-    ids = os.environ.get("RLJAX_LOCAL_DEVICE_IDS", "")
-    return [int(i) for i in ids.split(",")] if ids else None
+    return _env_ints("RLJAX_LOCAL_DEVICE_IDS", 0, sep=",")
 
 
 def initialize_jax() -> None:
@@ -42,6 +67,7 @@ def initialize_jax() -> None:
     peer watchdog (`rljax.distributed.PeerWatchdog`): when a peer dies, the others exit within
     RLJAX_PEER_TIMEOUT_S (default 30) seconds, naming it, instead of hanging in a collective.
     """
+    _check_variables()
     _set_cpu_device_count()
     import jax
 
@@ -50,10 +76,13 @@ def initialize_jax() -> None:
         jax.config.update("jax_platforms", platform)
     coordinator = os.environ.get("RLJAX_COORDINATOR") or None
     if os.environ.get("RLJAX_PROCESS_ID") is not None:
+        (num_processes,) = _env_ints("RLJAX_NUM_PROCESSES", 1) or fail(
+            "RLJAX_PROCESS_ID is set without RLJAX_NUM_PROCESSES (set both, or neither)"
+        )
         jax.distributed.initialize(
             coordinator_address=coordinator,
-            num_processes=int(os.environ["RLJAX_NUM_PROCESSES"]),
-            process_id=int(os.environ["RLJAX_PROCESS_ID"]),
+            num_processes=num_processes,
+            process_id=_env_ints("RLJAX_PROCESS_ID", 0)[0],
             local_device_ids=_local_device_ids(),
         )
     elif _slurm_step_tasks() > 1:
@@ -147,5 +176,5 @@ def _load_config_file(path: str, preset: str):
         return module.get_config(preset or None)
     except config_lib.ConfigError:
         raise
-    except Exception as e:  # noqa: BLE001 - the user's config file: a syntax error, a bad import, ...
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's config file: a syntax error, ...
         raise config_lib.ConfigError("--config", f"{path}: {type(e).__name__}: {e}") from None

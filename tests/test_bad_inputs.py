@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from jax_env import child_env
 
@@ -43,7 +44,35 @@ def remove(*names):
     return edit
 
 
+def edit_tensor(change):
+    """Rewrites model.safetensors with `change(name, array) -> array` applied to every tensor."""
+
+    def edit(d: pathlib.Path) -> None:
+        from safetensors.numpy import load_file, save_file
+
+        f = d / "model.safetensors"
+        tensors = {name: change(name, x) for name, x in load_file(str(f)).items()}
+        save_file(tensors, str(f), metadata={"format": "pt"})
+
+    return edit
+
+
+def nan_in(target: str):
+    def change(name, x):
+        return x if name != target else np.where(np.arange(x.size).reshape(x.shape) == 3, np.nan, x)
+
+    return change
+
+
 MODEL_CASES = {  # name -> (edit of a copy of the tiny model dir, fragments of the error line)
+    "tensor_of_integers": (
+        edit_tensor(lambda n, x: x.astype(np.int32) if n == "model.norm.weight" else x),
+        ["model.path", "model.norm.weight", "I32", "floating-point"],
+    ),
+    "tensor_with_a_nan": (
+        edit_tensor(nan_in("model.layers.0.mlp.up_proj.weight")),
+        ["model.path", "non-finite", "up_proj"],
+    ),
     "truncated_safetensors": (truncated_safetensors, ["model.path", "model.safetensors", "not a readable"]),
     "config_json_not_json": (
         lambda d: (d / "config.json").write_text("{not json"),
@@ -148,6 +177,24 @@ ARG_CASES = {  # name -> (overrides, with {tmp} and {file} filled in, fragments 
             ),
         ),
     ),
+    "data_file_deeply_nested": (
+        ["--config.data.source=jsonl", "--config.data.path={file}"],
+        ["data.path", "RecursionError"],
+        write_file("deep.jsonl", '{"prompt": "1+1=", "answer": ' + "[" * 200_000 + "]" * 200_000 + "}\n"),
+    ),
+    "prompt_longer_than_the_context": (
+        ["--config.data.source=jsonl", "--config.data.path={file}", "--config.data.eval_size=4"],
+        ["rollout.vllm.max_model_len", "512", "prompt of", "tokens", "rollout.max_tokens=16"],
+        write_file(
+            "long.jsonl",
+            "".join(
+                json.dumps({"prompt": f"{i}+1 " * (300 if i == 7 else 1) + "=", "answer": str(i + 1)}) + "\n"
+                for i in range(16)
+            ),
+        ),
+    ),
+    "template_not_utf8": (["--config.data.template=\udcff{{prompt}}"], ["data.template", "UTF-8"]),
+    "system_prompt_not_utf8": (["--config.data.system_prompt=a\udcffb"], ["data.system_prompt", "UTF-8"]),
     "unknown_reward": (["--config.reward.functions=('maths',)"], ["reward.functions", "'maths'", "math"]),
     "reward_module_missing": (
         ["--config.reward.functions=('no_such_pkg.rewards:score',)"],
@@ -160,6 +207,8 @@ ARG_CASES = {  # name -> (overrides, with {tmp} and {file} filled in, fragments 
     # Passes every input check and preflight; its checkpoint (of another state) fails before the server.
     "workdir_checkpoint_of_another_model": ([], ["checkpoint:", "step 1", "does not fit this run's state"]),
     "workdir_is_a_file": ([], ["--workdir", "not a writable directory"]),
+    "workdir_checkpoints_is_a_file": ([], ["--workdir", "checkpoints", "is a file", "directory"]),
+    "workdir_metrics_is_a_directory": ([], ["--workdir", "metrics.jsonl", "is a directory", "file"]),
 }
 
 
@@ -197,6 +246,11 @@ def build_argv(name: str, tmp: pathlib.Path) -> tuple[list[str], list[str], path
         workdir.write_text("")
     if name == "workdir_checkpoint_of_another_model":
         save_foreign_checkpoint(workdir / "checkpoints")
+    if name == "workdir_checkpoints_is_a_file":
+        workdir.mkdir()
+        (workdir / "checkpoints").write_text("")
+    if name == "workdir_metrics_is_a_directory":
+        (workdir / "metrics.jsonl").mkdir(parents=True)
     return ["rljax", config, f"--workdir={workdir}", *overrides], fragments, workdir
 
 
@@ -263,6 +317,42 @@ def test_unavailable_sandbox_is_a_config_error(tmp_path, monkeypatch, capsys, se
         sandbox.check.cache_clear()  # later tests probe the real machine again
     assert_one_line_error(e.value.code, capsys.readouterr().err, ["reward.sandbox", "root (test)"], workdir)
     assert server_spy == []
+
+
+def test_a_reward_module_that_exits_on_import_is_one_line(tmp_path, monkeypatch, capsys, server_spy):
+    """User code run during the checks (importing a custom reward) that raises SystemExit: one line and
+    exit 2, not the user's exit code with no output."""
+    from rljax import main
+
+    (tmp_path / "exits_on_import.py").write_text("raise SystemExit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(REPO)
+    workdir = tmp_path / "work"
+    argv = ["rljax", CONFIG, f"--workdir={workdir}", "--config.reward.functions=('exits_on_import:score',)"]
+    with pytest.raises(SystemExit) as e:
+        main.run(argv)
+    fragments = ["reward.functions", "exits_on_import", "SystemExit"]
+    assert_one_line_error(e.value.code, capsys.readouterr().err, fragments, workdir)
+    assert server_spy == []
+
+
+@pytest.mark.parametrize(
+    "variable, value",
+    [("RLJAX_CPU_DEVICES", "eight"), ("RLJAX_CPU_DEVICES", "0"), ("RLJAX_LOCAL_DEVICE_IDS", "0,x")],
+)
+def test_a_malformed_device_variable_is_one_line(variable, value, tmp_path):
+    """Through the real CLI: the variable is read before JAX starts."""
+    workdir = tmp_path / "work"
+    env = child_env(JAX_PLATFORMS="cpu", **{variable: value})
+    proc = subprocess.run(
+        [sys.executable, "-m", "rljax.main", CONFIG, f"--workdir={workdir}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert_one_line_error(proc.returncode, proc.stderr, [variable, repr(value)], workdir)
 
 
 def test_good_inputs_resolve(tmp_path, monkeypatch):

@@ -87,6 +87,27 @@ def _value(cfg: Config, key: str) -> Any:
     return functools.reduce(getattr, key.split("."), cfg)
 
 
+def _not_utf8(value: Any) -> str | None:
+    """The first piece of `value` (a str, or tuples of them) that is not valid UTF-8 text, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: argv bytes that were not UTF-8
+            return f"{value[max(e.start - 8, 0) : e.end + 8]!r}"
+        return None
+    if isinstance(value, tuple):
+        return next(filter(None, map(_not_utf8, value)), None)
+    return None
+
+
+def _check_text(cfg: Config) -> None:
+    """Every text field is valid UTF-8 (tokenizers, JSON and the engine's HTTP API take nothing else)."""
+    for key in field_types(Config):
+        bad = _not_utf8(_value(cfg, key))
+        if bad is not None:
+            raise ConfigError(key, f"is not valid UTF-8 text (near {bad}); pass UTF-8")
+
+
 def _check_ranges(cfg: Config) -> None:
     """Every float field and reward weight is finite; the `_RANGES` fields lie in their ranges."""
     for key, typ in field_types(Config).items():
@@ -182,6 +203,7 @@ def algo_family(cfg: Config) -> Family:
 
 def validate(cfg: Config) -> Config:
     """Checks cross-field facts that need no devices; raises ConfigError naming the field. Returns cfg."""
+    _check_text(cfg)
     family = algo_family(cfg)
     _check_ranges(cfg)
     for key, value in _positive(cfg):

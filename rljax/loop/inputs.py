@@ -14,14 +14,16 @@ from __future__ import annotations
 import inspect
 import os
 import tempfile
+from typing import Any
 
 from rljax.config import Config, ConfigError, DataConfig
 from rljax.data import format_prompt
 from rljax.data.chat import is_conversation
 from rljax.loop.data_setup import load_examples
 
-# Errors a data source raises for bad user input (a missing file, a bad record, a wrong option).
-_DATA_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError)
+# Errors a data source raises for bad user input (a missing file, a bad record, a wrong option, a
+# record nested deeper than the JSON parser's recursion limit).
+_DATA_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError, RecursionError)
 
 
 def resolve_inputs(cfg: Config, workdir: str) -> tuple[list[dict], list[dict]]:
@@ -30,12 +32,22 @@ def resolve_inputs(cfg: Config, workdir: str) -> tuple[list[dict], list[dict]]:
     check_env(cfg)
     check_rewards(cfg)
     train, held_out = resolve_examples(cfg.data)
-    check_model_dir(cfg.model.path)  # last: loading the tokenizer imports transformers
+    tokenizer = check_model_dir(cfg.model.path)  # last: loading the tokenizer imports transformers
+    check_prompt_lengths(cfg, tokenizer, train + held_out)
     return train, held_out
 
 
+# What a run keeps in its workdir, by kind: an entry of another kind (a file named `checkpoints`, a
+# directory named `metrics.jsonl`, a FIFO) fails here instead of deep inside orbax or a writer.
+RUN_DIR_ENTRIES = {
+    **dict.fromkeys(("checkpoints", "tensorboard", "status", "vllm", "logs", "profile", "eval"), "directory"),
+    **dict.fromkeys(("metrics.jsonl", "parameters.txt", "wandb_run_id"), "file"),
+}
+
+
 def check_workdir(workdir: str) -> None:
-    """Creates `workdir` and writes a file in it; ConfigError naming --workdir when it cannot."""
+    """Creates `workdir` and writes a file in it, and every entry a run keeps there (RUN_DIR_ENTRIES)
+    that exists is of its kind; ConfigError naming --workdir otherwise."""
     try:
         os.makedirs(workdir, exist_ok=True)
         with tempfile.TemporaryFile(dir=workdir):
@@ -45,11 +57,21 @@ def check_workdir(workdir: str) -> None:
             "--workdir",
             f"{workdir!r} is not a writable directory ({e.strerror or e}); pass one you can write",
         ) from None
+    for name, kind in RUN_DIR_ENTRIES.items():
+        path = os.path.join(workdir, name)
+        if not os.path.lexists(path):
+            continue
+        found = "a directory" if os.path.isdir(path) else "a file" if os.path.isfile(path) else "not a file"
+        if found != f"a {kind}":
+            raise ConfigError(
+                "--workdir",
+                f"{path} is {found}; a run keeps a {kind} there: move it away or pass another workdir",
+            )
 
 
-def check_model_dir(path: str) -> None:
+def check_model_dir(path: str) -> Any:
     """config.json parses, every safetensors header is intact and matches it, the tokenizer loads and
-    fits the model's vocabulary."""
+    fits the model's vocabulary. Returns the tokenizer."""
     from rljax.models.hf import CheckpointFormatError, check_hf_checkpoint, load_tokenizer
 
     try:
@@ -57,7 +79,8 @@ def check_model_dir(path: str) -> None:
     except (CheckpointFormatError, OSError, ValueError) as e:
         raise ConfigError("model.path", f"{e} (a local Hugging Face checkpoint directory)") from None
     try:
-        size = len(load_tokenizer(path))
+        tokenizer = load_tokenizer(path)
+        size = len(tokenizer)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for missing/broken files
         raise ConfigError(
             "model.path", f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})"
@@ -68,6 +91,30 @@ def check_model_dir(path: str) -> None:
             "model.path",
             f"{path}: the tokenizer has {size} tokens, the model's vocabulary {model_config.vocab_size} "
             "(tokenizer files missing or from another model: tokenizer.json, tokenizer_config.json)",
+        )
+    return tokenizer
+
+
+def check_prompt_lengths(cfg: Config, tokenizer: Any, examples: list[dict]) -> None:
+    """Every prompt, rendered as the sampler renders it, leaves `rollout.max_tokens` completion tokens
+    within `rollout.vllm.max_model_len` (the engine refuses a longer request at the first step)."""
+    from rljax.data import make_prompt_renderer
+
+    data, limit = cfg.data, cfg.rollout.vllm.max_model_len - cfg.rollout.max_tokens
+    renderer = make_prompt_renderer(
+        tokenizer, template=data.template, chat_template=data.chat_template, system_prompt=data.system_prompt
+    )
+    texts = [renderer.text(example) for example in examples]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
+    if longest is not None and lengths[longest] > limit:
+        over = sum(n > limit for n in lengths)
+        raise ConfigError(
+            "rollout.vllm.max_model_len",
+            f"{cfg.rollout.vllm.max_model_len} is too short: {over} of {len(lengths)} examples have a prompt "
+            f"of more than {limit} tokens (the longest {lengths[longest]}, example "
+            f"{examples[longest].get('prompt')!r:.60}), which leaves no room for rollout.max_tokens="
+            f"{cfg.rollout.max_tokens}; raise it, or drop or shorten those prompts",
         )
 
 
@@ -117,7 +164,7 @@ def check_rewards(cfg: Config) -> None:
             raise
         except KeyError as e:
             raise ConfigError(key, f"{e.args[0] if e.args else e}") from None
-        except Exception as e:  # noqa: BLE001 - importing a custom reward runs the user's module
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - importing a custom reward runs user code
             raise ConfigError(key, f"{name!r}: {type(e).__name__}: {e}") from None
         if hasattr(fn, "warmup"):
             check_sandbox(cfg.reward.sandbox)

@@ -32,6 +32,7 @@ from rljax.loop.evaluation import NO_EVAL, Evaluator, make_evaluator
 from rljax.loop.phases import PhaseTimer
 from rljax.loop.rollout_phase import Collector, make_collector, select_groups
 from rljax.metrics import MetricsLogger, StatusWriter
+from rljax.models.hf import CheckpointFormatError
 from rljax.rewards import RewardPool
 from rljax.sampling import Engine, Sampler, SamplingOptions, Tokenizer
 from rljax.sharding import make_mesh
@@ -127,7 +128,18 @@ def load_policy(cfg: Config, mesh: Mesh) -> tuple[models.ModelConfig, Any, Token
     model_config, params = models.load_hf_checkpoint(
         cfg.model.path, dtype=jnp.dtype(cfg.model.param_dtype), mesh=mesh, decoder=model_decoder(cfg)
     )
+    check_finite(params, cfg.model.path)
     return resolve_model_config(cfg, model_config), params, models.load_tokenizer(cfg.model.path)
+
+
+def check_finite(params: Any, path: str) -> None:
+    """Raises CheckpointFormatError naming the parameters that hold a NaN or an inf (one jitted
+    reduction per parameter, where it lives; before any server is started with these weights)."""
+    finite = jax.device_get(jax.jit(lambda p: jax.tree.map(lambda x: jnp.isfinite(x).all(), p))(params))
+    bad = [jax.tree_util.keystr(k) for k, ok in jax.tree_util.tree_leaves_with_path(finite) if not ok]
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise CheckpointFormatError(f"{path}: non-finite values (NaN or inf) in parameter {bad[0]}{more}")
 
 
 def make_reward_pool(cfg: Config) -> RewardPool:

@@ -175,6 +175,9 @@ class _TensorSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:  # safetensors' name: F32, BF16, I64, ...
+        return self._handles[self.file_of[name]].get_slice(name).get_dtype()
+
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         return self._handles[self.file_of[name]].get_slice(name)[index]
 
@@ -216,6 +219,8 @@ def _check_tensors(config: ModelConfig, source: _TensorSource, path: Path) -> No
             raise ValueError(
                 f"{path}: tensor {name!r} has shape {source.shape(name)}, expected {shape} from the config"
             )
+        if source.dtype(name) not in ("F32", "F16", "BF16", "F64"):
+            raise ValueError(f"{path}: tensor {name!r} is {source.dtype(name)}, not floating-point")
     # A tied checkpoint may still store lm_head.weight (transformers ignores it); anything else is an error.
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
     extra = sorted(set(source.file_of) - set(specs) - ignorable)
