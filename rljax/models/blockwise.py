@@ -87,6 +87,15 @@ def _block_lists(needed: jax.Array) -> tuple[jax.Array, jax.Array]:
     return order.astype(jnp.int32), needed.sum(axis=1).astype(jnp.int32)
 
 
+def _lists(qs, ks, qseg, kseg, bq: int, bk: int, *, by_key: bool) -> tuple[jax.Array, jax.Array]:
+    """`_block_lists` of the block map (by query block, or `by_key`). One block each way (short rows):
+    that block, with no map to build (every real query sees itself; padded queries are dropped)."""
+    if qs.shape[0] == bq and ks.shape[0] == bk:
+        return jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
+    needed = _needed_blocks(qs, ks, qseg, kseg, bq, bk)
+    return _block_lists(needed.T if by_key else needed)
+
+
 def _scores(q_i, k_j, qs_i, ks_j, qseg_i, kseg_j):
     """Scaled, masked float32 scores [B,K,G,bq,bk] of q_i [B,bq,K,G,hd] and k_j [B,bk,K,hd], and the
     mask bool[B,1,1,bq,bk]."""
@@ -98,7 +107,7 @@ def _scores(q_i, k_j, qs_i, ks_j, qseg_i, kseg_j):
 def _forward(bq, bk, q, k, v, qs, ks, qseg, kseg):
     """-> (out [B,Tp,K,G,hd] in q.dtype, lse f32[B,K,G,Tp]); q [B,Tp,K,G,hd], k/v [B,Sp,K,hd]."""
     b, tp, kh, g, hd = q.shape
-    k_blocks, k_count = _block_lists(_needed_blocks(qs, ks, qseg, kseg, bq, bk))
+    k_blocks, k_count = _lists(qs, ks, qseg, kseg, bq, bk, by_key=False)
 
     def query_block(_, i):
         q_i, qs_i, qseg_i = _block(q, 1, i, bq), _block(qs, 0, i, bq), _block(qseg, 1, i, bq)
@@ -143,7 +152,7 @@ def _flash_bwd(bq, bk, residuals, dout):
     q, k, v, qs, ks, qseg, kseg, out, lse = residuals
     b, tp, kh, g, hd = q.shape
     sp = k.shape[1]
-    q_blocks, q_count = _block_lists(_needed_blocks(qs, ks, qseg, kseg, bq, bk).T)
+    q_blocks, q_count = _lists(qs, ks, qseg, kseg, bq, bk, by_key=True)
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", dout.astype(jnp.float32), out.astype(jnp.float32))
     f32 = dict(preferred_element_type=jnp.float32)
 
