@@ -104,7 +104,12 @@ def check_prompt_lengths(cfg: Config, tokenizer: Any, examples: list[dict]) -> N
     renderer = make_prompt_renderer(
         tokenizer, template=data.template, chat_template=data.chat_template, system_prompt=data.system_prompt
     )
-    texts = [renderer.text(example) for example in examples]
+    try:
+        texts = [renderer.text(example) for example in examples]
+    except (KeyError, ValueError, IndexError, AttributeError, TypeError) as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        what = f"an example does not fill it: {type(e).__name__}: {message}"
+        raise ConfigError("data.template", what) from None
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
     longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
     if longest is not None and lengths[longest] > limit:
