@@ -20,10 +20,18 @@ from rljax.config import Config, ConfigError, DataConfig
 from rljax.data import format_prompt
 from rljax.data.chat import is_conversation
 from rljax.loop.data_setup import load_examples
+from rljax.metrics import parameters
+from rljax.metrics.logger import METRICS_FILE, TENSORBOARD_DIR
+from rljax.metrics.status import STATUS_DIR
 
 # Errors a data source raises for bad user input (a missing file, a bad record, a wrong option, a
 # record nested deeper than the JSON parser's recursion limit).
 _DATA_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError, RecursionError)
+
+
+def _text(e: BaseException) -> str:
+    """An exception's message; a KeyError's key without the quotes `str()` adds."""
+    return e.args[0] if isinstance(e, KeyError) and e.args else str(e)
 
 
 def resolve_inputs(cfg: Config, workdir: str) -> tuple[list[dict], list[dict]]:
@@ -40,8 +48,10 @@ def resolve_inputs(cfg: Config, workdir: str) -> tuple[list[dict], list[dict]]:
 # What a run keeps in its workdir, by kind: an entry of another kind (a file named `checkpoints`, a
 # directory named `metrics.jsonl`, a FIFO) fails here instead of deep inside orbax or a writer.
 RUN_DIR_ENTRIES = {
-    **dict.fromkeys(("checkpoints", "tensorboard", "status", "vllm", "logs", "profile", "eval"), "directory"),
-    **dict.fromkeys(("metrics.jsonl", "parameters.txt", "wandb_run_id"), "file"),
+    **dict.fromkeys(
+        ("checkpoints", TENSORBOARD_DIR, STATUS_DIR, "vllm", "logs", "profile", "eval"), "directory"
+    ),
+    **dict.fromkeys((METRICS_FILE, parameters.FILENAME, "wandb_run_id"), "file"),
 }
 
 
@@ -107,8 +117,7 @@ def check_prompt_lengths(cfg: Config, tokenizer: Any, examples: list[dict]) -> N
     try:
         texts = [renderer.text(example) for example in examples]
     except (KeyError, ValueError, IndexError, AttributeError, TypeError) as e:
-        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        what = f"an example does not fill it: {type(e).__name__}: {message}"
+        what = f"an example does not fill it: {type(e).__name__}: {_text(e)}"
         raise ConfigError("data.template", what) from None
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
     longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
@@ -132,8 +141,7 @@ def resolve_examples(data: DataConfig) -> tuple[list[dict], list[dict]]:
         raise
     except _DATA_ERRORS as e:
         field = "data.path" if isinstance(e, OSError) or data.path else "data.source_options"
-        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        raise ConfigError(field, f"source {data.source!r}: {type(e).__name__}: {message}") from None
+        raise ConfigError(field, f"source {data.source!r}: {type(e).__name__}: {_text(e)}") from None
     if not train:
         raise ConfigError("data.eval_size", f"{data.eval_size} leaves no training examples")
     for example in (train[0], *held_out[:1]):
@@ -148,8 +156,7 @@ def resolve_examples(data: DataConfig) -> tuple[list[dict], list[dict]]:
         try:
             format_prompt(example, data.template)
         except (KeyError, ValueError, IndexError, AttributeError) as e:
-            message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-            raise ConfigError("data.template", f"{message}") from None
+            raise ConfigError("data.template", _text(e)) from None
     return train, held_out
 
 
