@@ -87,6 +87,14 @@ def diagnostics(workdir) -> str:
     return "\n".join(parts)
 
 
+def assert_completed(state: str, workdir) -> None:
+    """The job's state is COMPLETED; otherwise every log's tail goes to stdout first (pytest shows a failed
+    test's captured output whole, while it cuts a long assertion message to a few lines)."""
+    if state != "COMPLETED":
+        print(diagnostics(workdir))
+    assert state == "COMPLETED", state
+
+
 def assert_joined_one_job(workdir, num_processes: int = 2) -> None:
     """Every rank's log has the start-up line for its own index and the same process count."""
     for rank in range(num_processes):
@@ -124,7 +132,7 @@ def test_selftest_two_tasks_join_one_jax_job(cluster, tiny_model, tmp_path):
         RLJAX_SELFTEST_STEP_S="0.2",
     )
     state = cluster.wait_job(job, timeout_s=120)
-    assert state == "COMPLETED", (state, diagnostics(workdir))
+    assert_completed(state, workdir)
     assert cluster.job_field(job, "ExitCode") == "0:0"
     assert_joined_one_job(workdir)
     assert "preflight: ok (2 processes, 2 devices)" in read(workdir / "logs" / "preflight-rank-0.log")
@@ -151,7 +159,7 @@ def test_selftest_preempted_saves_requeues_and_resumes(cluster, tiny_model, tmp_
     saved = json.load(open(workdir / "selftest_checkpoint.json"))["step"]
     assert 2 <= saved < 8
     state = cluster.wait_job(job, timeout_s=120)
-    assert state == "COMPLETED", (state, diagnostics(workdir))
+    assert_completed(state, workdir)
     batch_log = read(workdir / "logs" / "batch.log")
     assert "received USR1" in batch_log and "requeueing job" in batch_log, diagnostics(workdir)
     rank0 = read(workdir / "logs" / "rank-0.log")
@@ -178,7 +186,7 @@ def test_grpo_smoke_two_tasks(cluster, tiny_model, tmp_path):
     workdir = tmp_path / "run"
     job = submit(cluster, workdir, smoke_args(workdir, tiny_model))
     state = cluster.wait_job(job, timeout_s=240)
-    assert state == "COMPLETED", (state, diagnostics(workdir))
+    assert_completed(state, workdir)
     assert_joined_one_job(workdir)
     assert "finished 3 steps" in read(workdir / "logs" / "rank-0.log"), diagnostics(workdir)
     assert max(metric_steps(workdir)) == 3
@@ -203,7 +211,7 @@ def test_grpo_preempted_resumes_from_saved_step(cluster, arith_server, tmp_path)
     saved = checkpoint_steps(workdir)
     assert saved and saved[-1] < 6, saved
     state = cluster.wait_job(job, timeout_s=240)
-    assert state == "COMPLETED", (state, diagnostics(workdir))
+    assert_completed(state, workdir)
     steps = metric_steps(workdir)
     assert max(steps) == 6
     assert steps.count(saved[-1] + 1) == 1  # the step after the save ran once: resumed, not restarted
@@ -230,7 +238,7 @@ def test_grpo_with_a_rollout_node_step_syncs_over_tcp(cluster, tiny_model, tmp_p
     job = submit(cluster, workdir, args, **env)
     state = cluster.wait_job(job, timeout_s=600)
     print(f"rollout-node job: {state} in {time.monotonic() - t0:.0f} s")
-    assert state == "COMPLETED", (state, diagnostics(workdir))
+    assert_completed(state, workdir)
     assert_joined_one_job(workdir)
     assert "finished 2 steps" in read(workdir / "logs" / "rank-0.log"), diagnostics(workdir)
     token_file = workdir / "secrets" / "server_token"
