@@ -127,14 +127,19 @@ if [ "$PLATFORM" = gpu ]; then
   export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
   export NCCL_ASYNC_ERROR_HANDLING="${NCCL_ASYNC_ERROR_HANDLING:-1}"
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
-  if ((ROLLOUT_NODES == 0)); then
-    # vLLM shares the trainer's GPUs: leave it its gpu_memory_utilization plus a margin.
-    UTIL=$("$RLJAX_PYTHON" -m rljax.launch --print-config rollout.vllm.gpu_memory_utilization -- "${ARGS[@]}") \
-      || die "could not resolve the config (run: $RLJAX_PYTHON -m rljax.main ${ARGS[*]})"
-    export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(awk -v u="$UTIL" \
-      'BEGIN { f = 0.95 - u; if (f < 0.1) f = 0.1; printf "%.2f", f }')}"
-  else
-    export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}"
+  # The device plan (rljax.device_plan, the one every launcher uses): the trainer's share of each GPU,
+  # less a colocated server's (servers on their own nodes: RLJAX_ROLLOUT_NODES without SHARE_NODES).
+  PLAN_GPUS="${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-$TASKS_PER_NODE}}"
+  PLAN_ROLLOUT_NODES=$ROLLOUT_NODES
+  [ "${RLJAX_ROLLOUT_SHARE_NODES:-0}" = 1 ] && PLAN_ROLLOUT_NODES=0
+  PLAN_ARGS=(--gpus "${PLAN_GPUS##*:}" --nodes "$NUM_NODES" --rollout-nodes "$PLAN_ROLLOUT_NODES"
+    --process-per "$PROCESS_PER")
+  PLAN_ENV=$("$RLJAX_PYTHON" -m rljax.launch --plan-env "${PLAN_ARGS[@]}" -- "${ARGS[@]}") \
+    || die "no device plan fits this job (run: $RLJAX_PYTHON -m rljax.launch --plan ${PLAN_ARGS[*]} -- ${ARGS[*]})"
+  [ -n "${XLA_PYTHON_CLIENT_MEM_FRACTION:-}" ] || export "${PLAN_ENV:?}"
+  log "trainer memory share: XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION"
+  if [ "${RLJAX_DRY_RUN:-0}" = 1 ]; then
+    echo "rljax-slurm: plan $("$RLJAX_PYTHON" -m rljax.launch --plan "${PLAN_ARGS[@]}" -- "${ARGS[@]}" | tr -d '\n')"
   fi
 elif [ "$PLATFORM" = cpu ]; then
   export JAX_PLATFORMS=cpu

@@ -11,14 +11,24 @@ lines are prefixed `[rank i]`, and copied to <workdir>/logs/rank-<i>.log when --
 `srun --kill-on-bad-exit=1`, the first process to fail ends the others; SIGTERM/SIGUSR1/SIGINT are
 forwarded to every process (they save and exit 143); the launcher exits with the first non-zero code.
 
+On a GPU node, `--gpus N` replaces both: the device plan (`rljax.device_plan`) decides the processes, the
+GPUs and memory share of each, and the GPUs of the servers the leader starts.
+
+    python -m rljax.launch --plan --gpus 8 [--nodes M] [--rollout-nodes K] [--process-per gpu|node] -- ARGS
+
+prints that plan as JSON (each server's command line and devices too; ports 8000 + i stand for the free
+ports owned servers take), starting nothing; an impossible plan is one line naming the field, exit 2.
+
 Helpers used by launch/gpu_slurm.sh:
     python -m rljax.launch --print-config model.path [KEY ...] -- <rljax.main args>
+    python -m rljax.launch --plan-env --gpus G --nodes M --rollout-nodes K -- ARGS  (KEY=VALUE lines)
     python -m rljax.launch --wait-url http://node:8000/health --timeout 600
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -28,6 +38,7 @@ import threading
 import time
 
 from rljax import config as config_lib
+from rljax import device_plan
 from rljax.preflight import check_urls
 from rljax.runtime import config_from_args
 
@@ -104,16 +115,42 @@ def _pump(proc: subprocess.Popen, rank: int, log_path: str | None) -> None:
         log.close()
 
 
+def plan_json(cfg: config_lib.Config, machine: device_plan.Machine) -> dict:
+    """The plan of `cfg` on `machine` with each server's argv and environment (ports 8000 + i stand for the
+    ones they take). ConfigError when none fits."""
+    from rljax.rollout.server import options_from_config, server_command
+
+    plan = device_plan.make_plan(cfg, machine)
+    out = plan.to_json()
+    for i, (entry, server) in enumerate(zip(out["servers"], plan.servers, strict=True)):
+        options = options_from_config(cfg, devices=server.devices, cpu_build=plan.mode == "cpu")
+        entry["argv"] = server_command(cfg.model.path, cfg.rollout.vllm.host, 8000 + i, options)
+        entry["env"] = {"CUDA_VISIBLE_DEVICES": device_plan.visible_devices(server.devices, {})}
+    return out
+
+
+def job_env(plan: device_plan.Plan) -> dict[str, str]:
+    """What every trainer process of a launcher that cannot set it per process gets: the smallest share."""
+    shares = [t.memory_fraction for t in plan.trainers if t.memory_fraction is not None]
+    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{min(shares):.2f}"} if shares else {}
+
+
 def launch(
-    args: list[str], num_processes: int, devices_per_process: int = 0, entry: str = "rljax.main"
+    args: list[str],
+    num_processes: int,
+    devices_per_process: int = 0,
+    entry: str = "rljax.main",
+    planned: list[dict] | None = None,
 ) -> int:
-    """Runs `num_processes` copies of `entry` with `args` as one JAX job; returns the job's exit code."""
+    """Runs `num_processes` copies of `entry` with `args` as one JAX job; returns the job's exit code.
+    `planned`: each process's environment from the device plan (`TrainerProcess.env`)."""
     cmd = [sys.executable, entry] if entry.endswith(".py") else [sys.executable, "-m", entry]
     workdir = workdir_of(args)
     logdir = os.path.join(workdir, "logs") if workdir else None
     if logdir:
         os.makedirs(logdir, exist_ok=True)
     envs = process_envs(num_processes, devices_per_process, free_port(), dict(os.environ))
+    envs = [env | own for env, own in zip(envs, planned or [{}] * num_processes, strict=True)]
     procs = [
         subprocess.Popen([*cmd, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for env in envs
@@ -184,9 +221,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-config", nargs="+", metavar="KEY", help="print resolved config values")
     parser.add_argument("--wait-url", help="wait until this URL answers 2xx")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs per node: the device plan places them")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--rollout-nodes", type=int, default=0)
+    parser.add_argument("--process-per", default="gpu", help="gpu (default) or node")
+    parser.add_argument("--plan", action="store_true", help="print the device plan as JSON, run nothing")
+    parser.add_argument("--plan-env", action="store_true", help="print the job-wide trainer environment")
     opts = parser.parse_args(ours)
     if opts.wait_url:
         return 0 if wait_url(opts.wait_url, opts.timeout) else 1
+    if opts.plan or opts.plan_env or opts.gpus:
+        return _planned(opts, rest)
     if opts.print_config:
         try:
             cfg = config_from_args(rest)
@@ -199,6 +244,30 @@ def main(argv: list[str] | None = None) -> int:
     if opts.num_processes < 1:
         parser.error("--num-processes N (>= 1) is required")
     return launch(rest, opts.num_processes, opts.devices_per_process, opts.entry)
+
+
+def _planned(opts: argparse.Namespace, rest: list[str]) -> int:
+    """--plan, --plan-env, or the local launcher on `--gpus` GPUs of this node by the device plan."""
+    machine = device_plan.Machine(opts.gpus, opts.nodes, opts.rollout_nodes, opts.process_per)
+    try:
+        cfg = config_from_args(rest)
+        out = plan_json(cfg, machine)
+        plan = device_plan.make_plan(cfg, machine)
+    except config_lib.ConfigError as e:
+        print(f"rljax: error: config: {e}", file=sys.stderr)
+        return 2
+    if opts.plan:
+        print(json.dumps(out, indent=1))
+        return 0
+    if opts.plan_env:
+        print("\n".join(f"{k}={v}" for k, v in job_env(plan).items()))
+        return 0
+    if opts.nodes != 1 or opts.rollout_nodes:
+        print("rljax: error: --nodes/--rollout-nodes: the local launcher runs one node", file=sys.stderr)
+        return 2
+    common = {"RLJAX_PLATFORM": "gpu", device_plan.GPUS_ENV: str(opts.gpus)}
+    planned = [t.env() | common for t in plan.trainers]
+    return launch(rest, len(planned), entry=opts.entry, planned=planned)
 
 
 if __name__ == "__main__":

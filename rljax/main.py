@@ -9,12 +9,13 @@ bad flags, impossible setups) exit 2 with one line on stderr naming the field; t
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags, logging
 
 from rljax import config as config_lib
-from rljax import runtime
+from rljax import device_plan, runtime
 from rljax.models.fetch import with_model_fetched
 from rljax.runtime import fail  # one line on stderr, exit 2: the same for every user error
 
@@ -45,6 +46,10 @@ def preflight_or_fail(cfg: config_lib.Config) -> None:
 def start(cfg: config_lib.Config, workdir: str) -> None:
     """Validates the config against this machine (config checks, every user input resolved, then
     preflight) and runs the loop. User errors exit 2 with one line before any server starts."""
+    try:  # the devices' plan: before JAX starts, which preallocates its share of every GPU it sees
+        os.environ.update(device_plan.planned_trainer_env(cfg))
+    except config_lib.ConfigError as e:
+        fail(f"config: {e}")
     runtime.initialize_jax()
     cfg = with_model_fetched(cfg)
     import jax

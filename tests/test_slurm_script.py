@@ -181,6 +181,47 @@ def test_one_process_per_node_drives_all_gpus(tmp_path):
     ]
 
 
+def planned(out: str) -> dict:
+    (line,) = [x for x in out.splitlines() if x.startswith("rljax-slurm: plan ")]
+    return json.loads(line[len("rljax-slurm: plan ") :])
+
+
+@pytest.mark.parametrize(
+    "env,flags,share",
+    [  # 4 nodes of 8 GPUs: colocated (a server on node 0's GPU 0), and the last node serving on its own
+        ({}, ["--rollout-nodes", "0"], "0.80"),
+        ({"RLJAX_ROLLOUT_NODES": "1", "RLJAX_NODE_ADDRS": ADDRS}, ["--rollout-nodes", "1"], "0.90"),
+    ],
+    ids=["colocated", "rollout-node"],
+)
+def test_the_slurm_plan_is_the_local_launchers_plan(tmp_path, env, flags, share):
+    args = [
+        "--config=configs/grpo.py",
+        f"--workdir={tmp_path}/run",
+        "--config.rollout.vllm.tensor_parallel_size=4",
+    ]
+    proc = dry_run(tmp_path, args, RLJAX_PREFLIGHT="0", **env)
+    assert proc.returncode == 0, proc.stderr
+    local = subprocess.run(
+        [sys.executable, "-m", "rljax.launch", "--plan", "--gpus", "8", "--nodes", "4", *flags, "--", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert local.returncode == 0, local.stderr
+    assert planned(proc.stdout) == json.loads(local.stdout)
+    assert f"rljax-slurm: trainer memory share: XLA_PYTHON_CLIENT_MEM_FRACTION={share}" in proc.stderr
+
+
+def test_a_job_no_plan_fits_stops_before_any_step(tmp_path):
+    args = ["--config=configs/grpo.py", f"--workdir={tmp_path}/run", "--config.rollout.vllm.num_servers=9"]
+    proc = dry_run(tmp_path, args)
+    assert proc.returncode == 2 and "no device plan fits this job" in proc.stderr
+    assert "rljax: error: config: rollout.vllm.num_servers: 9 server(s)" in proc.stderr
+    assert srun_commands(proc.stdout) == []
+
+
 def test_missing_workdir_is_a_clear_error(tmp_path):
     proc = dry_run(tmp_path, ["--config=configs/grpo.py"])
     assert proc.returncode == 2

@@ -96,6 +96,9 @@ class VLLMConfig:
     allow_remote: bool = False  # allow a non-loopback host (every route still needs the run's bearer token)
     token_file: str = ""  # servers in `urls`: a 0600 file with their bearer token ("" = they need none)
     gpu_memory_utilization: float = 0.15  # on CPU: fraction of host RAM reserved
+    # On GPU (rljax.device_plan): GPUs of the first node given to the owned servers, the trainer keeping
+    # the others (split); 0: the servers share the trainer's GPUs (colocated).
+    server_gpus: int = 0
     kvcache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on the CPU build
     max_model_len: int = 512
     # KV-cache block of owned servers (--block-size), a multiple of 32 (CPU and CUDA backends take it);
@@ -271,6 +274,9 @@ class MeshConfig:
     # dimension over the axis instead (small test models on many devices).
     allow_replication: bool = False
     device_memory_gib: float = 0.0  # per-device memory budget for the compiled step; 0: the device's own
+    # On GPU: the share of each device JAX preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION, set before JAX
+    # starts); 0: planned (rljax.device_plan: 0.95 less a colocated server's share, else 0.90).
+    gpu_memory_fraction: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -244,6 +244,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             "mesh.device_memory_gib", f"must be >= 0 (0: the device's own), got {cfg.mesh.device_memory_gib}"
         )
+    if not 0.0 <= cfg.mesh.gpu_memory_fraction <= 0.95:
+        raise ConfigError(
+            "mesh.gpu_memory_fraction",
+            f"must be in [0, 0.95] (0: planned), got {cfg.mesh.gpu_memory_fraction}",
+        )
     _validate_mesh_sizes(cfg.mesh)
     _check_names(cfg)
     return cfg
@@ -291,6 +296,8 @@ def _validate_servers(ro: RolloutConfig) -> None:
     for key, value in counts.items():
         if not (isinstance(value, int) and value >= 1):
             raise ConfigError(key, f"must be an integer >= 1, got {value!r}")
+    if not (isinstance(vc.server_gpus, int) and vc.server_gpus >= 0):
+        raise ConfigError("rollout.vllm.server_gpus", f"must be an integer >= 0, got {vc.server_gpus!r}")
     if vc.urls and vc.num_servers != 1:
         raise ConfigError(
             "rollout.vllm.num_servers",

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rljax import models, trainer
+from rljax import device_plan, models, trainer
 from rljax.config import Config, canary_tolerance, serving_dtype
 from rljax.distributed import cast_params, is_leader, to_host
 from rljax.loop.sharded_sync import PushState, push_sharded, single_host
@@ -299,7 +299,11 @@ def make_engine(
             os.path.join(workdir, "vllm"),
             replicas=vc.num_servers,
             host=vc.host,
-            server_options=options_from_config(cfg, cpus=place.server_cpus),
+            server_options=options_from_config(
+                cfg,
+                cpus=place.server_cpus,
+                devices=device_plan.owned_server_devices(device_plan.local_plan(cfg)),
+            ),
             **common,
         )
     if place.trainer_cpus:  # after the server started: its processes keep the cores they were given

@@ -11,7 +11,9 @@ process in its own process group, with:
   the `vllm.general_plugins` entry point `rljax.weight_sync.worker.plugin:register`;
 - `--logprobs-mode processed_logprobs`: the log-prob convention of `rljax.rollout.client`;
 - a KV block of 32 tokens (vLLM's CPU default is 128; the canary's prompt spans 2 blocks);
-- float32 weights, eager mode, its log in `<workdir>/vllm_server.log` (appended across restarts).
+- float32 weights, eager mode on the CPU build (CUDA graphs on a GPU), the GPUs of its plan
+  (`ServerOptions.devices`, `rljax.device_plan`), its log in `<workdir>/vllm_server.log` (appended across
+  restarts).
 
 `stop()` sends SIGTERM to the group and SIGKILL after a grace period; `restart()` keeps host, port and token.
 Each start gets a private TMPDIR, `<tmp>/rljax-vllm-<pid>-<random>/` (0700; vLLM's IPC sockets and its
@@ -37,7 +39,7 @@ from pathlib import Path
 
 import requests
 
-from rljax import envvars, lockdir
+from rljax import device_plan, envvars, lockdir
 from rljax.config import DEFAULTS, Config, is_loopback_host, serving_dtype, vllm_is_cpu_build
 from rljax.rollout import auth, placement
 from rljax.rollout.crashes import crash_cause, prefill_args
@@ -67,7 +69,10 @@ class ServerOptions:
     seed: int = DEFAULTS.trainer.seed
     tensor_parallel_size: int = _VLLM.tensor_parallel_size
     data_parallel_size: int = _VLLM.data_parallel_size
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None  # None: on the CPU build only (CUDA graphs decode faster on a GPU)
+    # The node's GPUs the servers run on (rljax.device_plan; CUDA_VISIBLE_DEVICES): `launch_servers` gives
+    # replica i the i-th equal slice; (): every GPU the trainer sees.
+    devices: tuple[int, ...] = ()
     startup_timeout_s: float = _VLLM.startup_timeout_s
     stop_grace_s: float = 10.0
     extra_args: tuple[str, ...] = _VLLM.extra_args
@@ -163,7 +168,7 @@ def server_command(model_path: str, host: str, port: int, options: ServerOptions
         cmd += ["--block-size", str(options.block_size)]
     cpu_build = vllm_is_cpu_build() if options.cpu_build is None else options.cpu_build
     cmd += prefill_args(options.max_model_len, cpu_build=cpu_build)
-    if options.enforce_eager:
+    if cpu_build if options.enforce_eager is None else options.enforce_eager:
         cmd.append("--enforce-eager")
     return cmd + list(options.extra_args)
 
@@ -180,6 +185,8 @@ def server_env(options: ServerOptions) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
     }
     env |= placement.server_thread_env(placement.Placement(server_cpus=options.cpus), options.idle_spin_s)
+    if options.devices:
+        env["CUDA_VISIBLE_DEVICES"] = device_plan.visible_devices(options.devices)
     return env | dict(options.extra_env)
 
 
@@ -362,12 +369,17 @@ def launch_servers(
     options: ServerOptions = ServerOptions(),
 ) -> list[VLLMServer]:
     """Starts `replicas` servers at once, each on its own port (logs in `workdir/replica_<i>/`, one fresh
-    bearer token for all), and waits until every one answers `/health`."""
+    bearer token for all, replica i on the i-th slice of `options.devices`), and waits until every one
+    answers `/health`."""
     servers, token = [], auth.new_token()
+    if len(options.devices) % replicas:
+        raise ValueError(f"{len(options.devices)} GPUs do not split among {replicas} servers")
+    k = len(options.devices) // replicas
     try:
         for i in range(replicas):
             path = Path(workdir) / f"replica_{i}"
-            servers.append(VLLMServer(model_path, path, host=host, options=options, token=token))
+            own = dataclasses.replace(options, devices=options.devices[i * k : (i + 1) * k])
+            servers.append(VLLMServer(model_path, path, host=host, options=own, token=token))
             servers[-1].spawn()
         for s in servers:
             s.wait_healthy(options.startup_timeout_s)
