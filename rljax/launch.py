@@ -64,17 +64,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_envs(num_processes: int, devices_per_process: int, port: int, base: dict) -> list[dict]:
-    """The environment of each process: coordinator, rank, and its devices."""
+def process_envs(
+    num_processes: int, devices_per_process: int, port: int, base: dict, host: str = "127.0.0.1"
+) -> list[dict]:
+    """The environment of each process: coordinator, rank, and its devices. The one process plan every
+    launcher uses (local, Ray, Kubernetes): `host` is the coordinator's address (process 0's node)."""
     platform = base.get("RLJAX_PLATFORM", "cpu")
     envs = []
     for rank in range(num_processes):
         env = dict(
             base,
-            RLJAX_COORDINATOR=f"127.0.0.1:{port}",
-            # JAX's coordinator binds every interface ([::]:port) unless told otherwise; one machine needs
-            # only loopback, and nothing else on the network should reach the job's key-value store.
-            JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
+            RLJAX_COORDINATOR=f"{host}:{port}",
+            # JAX's coordinator binds every interface ([::]:port) unless told otherwise; it needs only the
+            # address the others dial, and nothing else on the network should reach the job's key-value store.
+            JAX_COORDINATOR_BIND_ADDRESS=f"{host}:{port}",
             RLJAX_NUM_PROCESSES=str(num_processes),
             RLJAX_PROCESS_ID=str(rank),
             RLJAX_PLATFORM=platform,
