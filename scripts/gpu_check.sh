@@ -12,6 +12,8 @@
 #            xla / triton against reference in the same run (time, compiled temp memory, error)
 #   train    benchmarks/bench_train_step.py on the Qwen2.5-0.5B shape, bf16, 16 x 1024 tokens (tokens/s, MFU)
 #   attention benchmarks/bench_attention.py: cudnn vs blockwise at 2 x 4096 tokens, 28/4 heads of 128, bf16
+#   plan     benchmarks/check_memory_share.py: JAX's pool on GPU 0 is the share the device plan gives the
+#            trainer beside a colocated server (XLA_PYTHON_CLIENT_MEM_FRACTION; rljax.device_plan)
 # Without an NVIDIA GPU it prints "no NVIDIA GPU: skipped", writes {"status": "skipped", ...} and exits 0.
 # Exit status: 0 when every step passed (or skipped), 1 otherwise; the JSON says which step failed.
 set -uo pipefail
@@ -90,6 +92,8 @@ EOF
 }
 export -f install
 step install 60 bash -c install
+step plan 40 "$PY" "$REPO/benchmarks/check_memory_share.py" --gpus 1 --json "$PARTS/plan.json" -- \
+    --config="$REPO/configs/grpo.py"
 # one line per failure (--tb=line) and a per-test cap, so a slow compile or a hang cannot hide the rest
 step tests 170 "$PY" -m pytest -q -p no:cacheprovider -m gpu --tb=line -rfE --timeout 60 --junitxml="$PARTS/tests.xml" \
     "$REPO/tests/kernels/test_kernels.py" "$REPO/tests/kernels/test_kernels_sharded.py" "$REPO/tests/models/test_attention.py"
@@ -117,7 +121,7 @@ if (parts / "tests.xml").exists():
     suite = next(ET.parse(parts / "tests.xml").getroot().iter("testsuite"))
     report["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
 report.update(versions=read("versions.json"), logprobs=read("logprobs.json"),
-              train_step=read("train_step.json"), attention=read("attention.json"))
+              train_step=read("train_step.json"), attention=read("attention.json"), plan=read("plan.json"))
 impls = (report["logprobs"] or {}).get("impls", {})
 accept = {}
 for name in ("triton",):  # pallas is refused on GPUs (rljax.kernels.RUNS_ON)
@@ -127,6 +131,7 @@ for name in ("triton",):  # pallas is refused on GPUs (rljax.kernels.RUNS_ON)
 mfu = (report["train_step"] or {}).get("mfu")
 accept["train_step_mfu"] = mfu
 accept["train_step_mfu >= 0.35"] = mfu is not None and mfu >= 0.35
+accept["planned memory share honoured"] = bool((report["plan"] or {}).get("honoured"))
 report["acceptance"] = accept
 out.write_text(json.dumps(report, indent=1))
 print(json.dumps({"status": report["status"], "acceptance": accept}, indent=1))

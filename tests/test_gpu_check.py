@@ -95,3 +95,14 @@ def test_attention_bench_runs_and_agrees_on_cpu(tmp_path):
     assert results["materialized"]["rel_diff"] <= 1e-5 and results["blockwise"]["rel_diff"] == 0.0
     assert "bfloat16" in results["cudnn"]["error"]  # cuDNN refuses float32: reported, not fatal
     assert json.loads((tmp_path / "a.json").read_text())["impls"]["materialized"]["seconds"] > 0
+
+
+def test_memory_share_check_compares_the_pool_with_the_plan():
+    import check_memory_share
+
+    assert (
+        check_memory_share.planned_share(1, ["--config=configs/grpo.py"]) == 0.80
+    )  # 0.95 - the server's 0.15
+    gib = 2**30
+    assert check_memory_share.compare(0.80, int(0.795 * 80 * gib), 80 * gib, 0.02)["honoured"]
+    assert not check_memory_share.compare(0.80, int(0.75 * 80 * gib), 80 * gib, 0.02)["honoured"]  # JAX's own
