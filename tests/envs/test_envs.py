@@ -98,6 +98,29 @@ def test_format_then_parse_round_trips():
     assert parse_tool_call(format_tool_call(call.name, call.arguments)) == call
 
 
+@pytest.mark.parametrize(
+    "body,reason",
+    [  # the policy's text, parsed in the trainer: refused as malformed, in bounded time, never raised
+        ("[" * 10_000, "invalid JSON: RecursionError"),
+        (
+            '{"name": "calculator", "arguments": {"expression": 1' + "0" * 5000 + "}}",
+            "invalid JSON: ValueError",
+        ),
+        ('{"name": "x", "arguments": "' + "[" * 10_000 + '"}', "arguments is a string but not JSON"),
+        ('{"name": "x", "arguments": "' + "9" * 5000 + '"}', "arguments is a string but not JSON"),
+        ("[" + "1," * 3_000_000 + "1]", "longer than 16384 characters"),
+    ],
+    ids=["deep", "digits", "deep-arguments", "digits-arguments", "huge"],
+)
+def test_adversarial_tool_calls_are_malformed_not_exceptions(body, reason):
+    import time
+
+    t0 = time.perf_counter()
+    got = parse_tool_call(f"<tool_call>{body}</tool_call>")
+    assert isinstance(got, MalformedCall) and reason in got.reason, got
+    assert time.perf_counter() - t0 < 0.5
+
+
 def test_run_tool_turns_faults_into_outcomes(monkeypatch):
     release = threading.Event()
 
