@@ -8,20 +8,24 @@ assert-style test.
 Integrity (docs/security.md): pass/fail is never decided inside the sandbox. An assert test is split by
 `code_checks.plan_tests` into probes (the solution-dependent sub-expressions, e.g. `f(3)`), which the
 sandbox evaluates and returns as plain JSON values, and a check (e.g. `== 9`), evaluated here with a
-type-exact equality; the expected values never enter the sandbox. Each probe counts once (a probe reported
-twice counts nothing), so forged output, early exits, crashes and floods score at most the real results.
+type-exact equality; the expected values never enter the solution's sandbox (one beyond the constant
+grammar is computed by a sandbox run without the solution, once per test set). Each probe counts once
+(a probe reported twice counts nothing), so forged output, early exits, crashes and floods score at most
+the real results.
 Only top-level `assert` statements are checks; a test with an assert or raise elsewhere is rejected.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import re
 from typing import Any
 
 from rljax.rewards.base import REWARDS, declare_range
-from rljax.rewards.code_checks import passes, plan_tests, read_probes
+from rljax.rewards.code_checks import passes, plan_tests, with_expected
+from rljax.rewards.code_records import read_probes
 from rljax.rewards.sandbox import run_python, sandbox_info
 
 _BLOCK_RE = re.compile(r"```[ \t]*(python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -41,16 +45,43 @@ def extract_code(completion: str, *, allow_raw: bool = False) -> str | None:
 _HARNESS = pathlib.Path(__file__).with_name("_code_harness.py")
 
 
+def _harness_run(solution: str, tests: list[list[list[Any]]], sandbox: dict[str, Any]) -> str:
+    payload = {"solution": solution, "tests": tests}
+    program = f"import json\nPAYLOAD = json.loads({json.dumps(payload)!r})\n"
+    return run_python(program + _HARNESS.read_text(), **sandbox).stdout
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_values(tests_json: str, sandbox_json: str) -> tuple[dict[int, Any], ...]:
+    """Each test's expected values, computed once per test set by a sandbox run with no solution in it."""
+    tests, sandbox = json.loads(tests_json), json.loads(sandbox_json)
+    out, offset = [], 0
+    renumbered = []
+    for steps in tests:  # one id space for the run: offset each test's expected probe ids
+        renumbered.append([s if s[0] == "setup" else ["probe", s[1] + offset, s[2]] for s in steps])
+        offset += sum(s[0] == "probe" for s in steps)
+    values = read_probes(_harness_run("", renumbered, sandbox), offset)
+    offset = 0
+    for steps in tests:
+        n = sum(s[0] == "probe" for s in steps)
+        out.append({i: values[i + offset] for i in range(n) if i + offset in values})
+        offset += n
+    return tuple(out)
+
+
 def _count_assert_passes(solution: str, tests: list[str], sandbox: dict[str, Any]) -> int:
-    """Probes run in the sandbox; the checks (with the expected values) are evaluated here."""
+    """Probes run in the solution's sandbox; expected values beyond constants in one without it (cached
+    per test set); the checks are evaluated here."""
     if not tests:
         return 0
     plans = plan_tests(tests)
-    payload = {"solution": solution, "tests": [[list(step) for step in plan.steps] for plan in plans]}
-    program = f"import json\nPAYLOAD = json.loads({json.dumps(payload)!r})\n"
-    result = run_python(program + _HARNESS.read_text(), **sandbox)
+    if any(plan.expected_steps for plan in plans):
+        expected = [[list(step) for step in plan.expected_steps] for plan in plans]
+        values = _expected_values(json.dumps(expected), json.dumps(sandbox, sort_keys=True))
+        plans = [with_expected(plan, v, i) for i, (plan, v) in enumerate(zip(plans, values, strict=True))]
+    stdout = _harness_run(solution, [[list(step) for step in plan.steps] for plan in plans], sandbox)
     num_probes = sum(step[0] == "probe" for plan in plans for step in plan.steps)
-    values = read_probes(result.stdout, num_probes)
+    values = read_probes(stdout, num_probes)
     return sum(passes(plan, values) for plan in plans)
 
 

@@ -8,26 +8,25 @@ its source is sent to the sandbox, which returns the probe's value as plain JSON
 expected values never enter the sandbox and no object of the solution's reaches a comparison
 (`__eq__`/`__hash__`/`__bool__` tricks are void). `==` is type-exact over JSON kinds: numbers (int and
 float alike), bool, str, bytes, None, list, tuple, dict, set; a value of any other type equals nothing.
+
+An expected value beyond the small constant grammar (set up by an assignment, a slice, a method call, a
+comprehension, a library call, an f-string) is computed by a sandbox run that never sees the solution
+(`TestPlan.expected_steps`; `rljax.rewards.code_split` decides which statements each run gets) and
+enters the checks as a constant (`with_expected`). A constant that cannot be computed is an error of the
+test (ValueError), never a silent fail. Sequences concatenate and repeat here (`[0] * 3`, `"ab" * 2`,
+`(1,) + (2,)`), up to `_MAX_SEQUENCE` items.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import math
 import operator
 from typing import Any
 
-
-class _Opaque:
-    """A sandbox value of a type with no plain-data form: it equals nothing and has no truth value."""
-
-    def __init__(self, type_name: str):
-        self.type_name = type_name
-
-    def __bool__(self) -> bool:
-        raise TypeError(f"{self.type_name} has no plain-data truth value")
+from rljax.rewards.code_records import _Opaque
+from rljax.rewards.code_split import Scope, reads, solution_steps
 
 
 class CheckFailed(Exception):
@@ -36,10 +35,12 @@ class CheckFailed(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class TestPlan:
-    """One test: `steps` go to the sandbox (("setup", src) | ("probe", id, src)); `checks` stay here."""
+    """One test: `steps` go to the solution's sandbox (("setup", src) | ("probe", id, src)), `expected_steps`
+    to a sandbox without the solution (the same kinds; probe ids of their own); `checks` stay here."""
 
     steps: tuple[tuple[Any, ...], ...]
     checks: tuple[tuple[Any, ...], ...]
+    expected_steps: tuple[tuple[Any, ...], ...] = ()
 
 
 _CONSTS = {
@@ -70,8 +71,27 @@ def _dotted(node: ast.AST) -> str | None:
     return None
 
 
+_SEQUENCES = (str, bytes, list, tuple)
+_MAX_SEQUENCE = 1 << 20  # items of a repeated or concatenated constant
+
+
+def _sequence_op(op: type, a: Any, b: Any) -> Any:
+    if op is ast.Add and type(a) is type(b) and type(a) in _SEQUENCES:
+        size = len(a) + len(b)
+    elif op is ast.Mult and {type(a), type(b)} & set(_SEQUENCES) and int in (type(a), type(b)):
+        seq, n = (a, b) if type(b) is int else (b, a)
+        size = len(seq) * max(n, 0)
+    else:
+        raise CheckFailed(f"arithmetic on {type(a).__name__} and {type(b).__name__}")
+    if size > _MAX_SEQUENCE:
+        raise CheckFailed(f"a sequence of {size} items (more than {_MAX_SEQUENCE})")
+    return _BINOPS[op](a, b)
+
+
 def _arithmetic(op: type, a: Any, b: Any) -> Any:
     numeric = (int, float)
+    if type(a) in _SEQUENCES or type(b) in _SEQUENCES:
+        return _sequence_op(op, a, b)
     if type(a) not in numeric or type(b) not in numeric:
         raise CheckFailed(f"arithmetic on {type(a).__name__} and {type(b).__name__}")
     if op is ast.Pow and isinstance(b, int) and abs(b) > _MAX_INT_EXPONENT:
@@ -113,11 +133,13 @@ def _has_const_part(node: ast.AST) -> bool:
 
 
 class _Planner:
-    """Splits assert expressions into probes (numbered from `next_id`) and trusted check trees."""
+    """Splits assert expressions into solution probes (numbered from `next_id`), expected probes (numbered
+    from 0, computed without the solution) and trusted check trees."""
 
-    def __init__(self, next_id: int):
-        self.next_id = next_id
-        self.probes: list[tuple[int, str]] = []
+    def __init__(self, next_id: int, scope: Scope):
+        self.next_id, self.scope = next_id, scope
+        self.probes: list[tuple[int, str, ast.AST]] = []
+        self.expected: list[tuple[int, str, ast.AST]] = []
 
     def check(self, node: ast.AST) -> tuple[Any, ...]:
         if isinstance(node, ast.BoolOp):
@@ -129,15 +151,27 @@ class _Planner:
             return ("compare", [type(op) for op in node.ops], operands)
         return ("truth", self.value(node))
 
+    def _trusted_part(self, node: ast.AST) -> bool:
+        """Whether some part of `node` is evaluated without the solution (a constant, an expected value)."""
+        children = _children(node)
+        return (
+            _is_const(node)
+            or not self.scope.depends(node)
+            or (children is not None and any(map(self._trusted_part, children)))
+        )
+
     def value(self, node: ast.AST) -> tuple[Any, ...]:
         if _is_const(node):
             try:
                 return ("const", evaluate(self._plan_const(node), {}))
-            except Exception:  # noqa: BLE001 - a broken constant in a test fails that test
-                return ("const", _FAILED)
-        if not _has_const_part(node):
+            except Exception as e:  # the test's own constant: its error, not a silent fail
+                raise ValueError(f"the constant `{ast.unparse(node)[:80]}` cannot be evaluated: {e}") from e
+        if not self.scope.depends(node):
+            self.expected.append((len(self.expected), ast.unparse(node), node))
+            return ("expected", self.expected[-1][0])
+        if not self._trusted_part(node):
             probe_id, self.next_id = self.next_id, self.next_id + 1
-            self.probes.append((probe_id, ast.unparse(node)))
+            self.probes.append((probe_id, ast.unparse(node), node))
             return ("probe", probe_id)
         return self._apply(node, [self.value(c) for c in _children(node) or []])
 
@@ -175,27 +209,56 @@ def _has_nested_check(statement: ast.stmt) -> bool:
 
 
 def plan_tests(sources: list[str]) -> list[TestPlan]:
-    """Plans of assert-style tests; raises ValueError for a test whose checks are not top-level asserts."""
+    """Plans of assert-style tests; ValueError for a test whose checks are not top-level asserts, whose
+    constant cannot be evaluated, or that would hand its expected value to the solution."""
     plans, next_id = [], 0
     for index, source in enumerate(sources):
-        planner, steps, checks = _Planner(next_id), [], []
+        planner = _Planner(next_id, Scope())
+        steps, expected_steps, checks = [], [], []
         for statement in ast.parse(source).body:
             if isinstance(statement, ast.Assert):
-                first = len(planner.probes)
+                first, first_expected = len(planner.probes), len(planner.expected)
                 checks.append(planner.check(statement.test))
-                steps += [("probe", pid, src) for pid, src in planner.probes[first:]]
+                steps += [("probe", *p) for p in planner.probes[first:]]
+                expected_steps += [("probe", i, src) for i, src, _ in planner.expected[first_expected:]]
             elif _has_nested_check(statement):
                 raise ValueError(
                     f"test {index}: an assert or raise inside {type(statement).__name__} cannot be checked "
                     f"outside the sandbox; write the checks as top-level assert statements: {source!r:.200}"
                 )
             else:
-                steps.append(("setup", ast.unparse(statement)))
+                tainted = planner.scope.add(statement)
+                steps.append(("setup", ast.unparse(statement), statement, tainted))
+                if not tainted:
+                    expected_steps.append(("setup", ast.unparse(statement)))
         if not checks:
             raise ValueError(f"test {index} has no top-level assert statement: {source!r:.200}")
-        plans.append(TestPlan(tuple(steps), tuple(checks)))
+        expected_reads = set().union(*(reads(node) for _, _, node in planner.expected))
+        solution = solution_steps(steps, planner.scope.modules, expected_reads, index)
+        if not planner.expected:
+            expected_steps = []
+        plans.append(TestPlan(tuple(solution), tuple(checks), tuple(expected_steps)))
         next_id = planner.next_id
     return plans
+
+
+def with_expected(plan: TestPlan, values: dict[int, Any], index: int) -> TestPlan:
+    """`plan` with its expected values (from the run without the solution) as constants; ValueError when
+    one could not be computed (a broken test, never a silent fail)."""
+
+    def fill(node: Any) -> Any:
+        if isinstance(node, tuple) and node and node[0] == "expected":
+            if node[1] not in values:
+                sources = {s[1]: s[2] for s in plan.expected_steps if s[0] == "probe"}
+                raise ValueError(
+                    f"test {index}: the expected value `{sources[node[1]][:80]}` failed to compute"
+                )
+            return ("const", values[node[1]])
+        if isinstance(node, tuple | list):
+            return type(node)(fill(x) for x in node)
+        return node
+
+    return dataclasses.replace(plan, checks=tuple(fill(c) for c in plan.checks), expected_steps=())
 
 
 def _kind(value: Any) -> Any:
@@ -295,48 +358,3 @@ def passes(plan: TestPlan, values: dict[int, Any]) -> bool:
         return all(evaluate(check, values) is True for check in plan.checks)
     except Exception:  # noqa: BLE001 - type errors, missing probes, bad data: the test fails
         return False
-
-
-def decode(data: Any, depth: int = 0) -> Any:
-    """The plain value of one JSON-encoded probe result (inverse of `_code_harness._encode`)."""
-    if depth > 64:
-        raise ValueError("value nested too deeply")
-    if data is None or type(data) in (bool, int, float, str):
-        return data
-    if type(data) is not dict or len(data) != 1:
-        raise ValueError("malformed value")
-    ((tag, body),) = data.items()
-    builders = {"l": list, "t": tuple, "s": set, "f": frozenset}
-    if tag in builders and type(body) is list:
-        return builders[tag](decode(x, depth + 1) for x in body)
-    if tag == "d" and type(body) is list and all(type(p) is list and len(p) == 2 for p in body):
-        return {decode(k, depth + 1): decode(v, depth + 1) for k, v in body}
-    if tag == "b" and type(body) is str:
-        return bytes.fromhex(body)
-    if tag == "c" and type(body) is list and len(body) == 2 and all(type(x) in (int, float) for x in body):
-        return complex(*body)
-    if tag == "o" and type(body) is str:
-        return _Opaque(body)
-    raise ValueError(f"malformed value tag {tag!r}")
-
-
-def read_probes(stdout: str, num_probes: int) -> dict[int, Any]:
-    """{probe id: value} from the sandbox's record lines; a probe reported twice, or as an error, has none."""
-    seen: dict[int, int] = {}
-    values: dict[int, Any] = {}
-    for line in stdout.splitlines():
-        try:
-            record = json.loads(line)
-            probe_id = record["i"]
-            if (
-                type(probe_id) is not int
-                or not 0 <= probe_id < num_probes
-                or set(record) not in ({"i", "v"}, {"i", "e"})
-            ):
-                continue
-            seen[probe_id] = seen.get(probe_id, 0) + 1
-            if "v" in record:
-                values[probe_id] = decode(record["v"])
-        except Exception:  # noqa: BLE001 - not a record (or a malformed one): it counts nothing
-            continue
-    return {i: v for i, v in values.items() if seen[i] == 1}

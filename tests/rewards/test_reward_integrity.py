@@ -109,7 +109,7 @@ def _readable_bytes():
                         yield mem.read(hi - lo)
         except (OSError, ValueError, OverflowError):
             pass
-def secret():  # the first long number after '=', '==' or '-' anywhere it can read
+def secret(*_):  # the first long number after '=', '==' or '-' anywhere it can read
     for blob in _readable_bytes():
         found = re.search(rb"(?:=|-) *([0-9]{6,})", blob)
         if found:
@@ -121,8 +121,8 @@ def secret():  # the first long number after '=', '==' or '-' anywhere it can re
 def test_reading_harness_files_environment_and_memory_finds_no_expected_value():
     tests = [f"assert secret() == {SECRET}", f"assert abs(secret() - {SECRET}) < 0.5"]
     assert score(READ_SECRETS, tests, timeout_s=20.0) == 0.0
-    # The same reader finds a value the test puts in the sandbox on purpose (so the reader works).
-    planted = [f"planted = {SECRET}\nassert secret() == {SECRET}"]
+    # The same reader finds a value the test hands the solution on purpose (so the reader works).
+    planted = [f"planted = {SECRET}\nassert secret(planted) == {SECRET}"]
     assert score(READ_SECRETS, planted, timeout_s=20.0) == 1.0
 
 
@@ -189,3 +189,62 @@ def test_custom_rewards_are_clamped_to_their_range_and_nan_scores_its_minimum(nu
     assert metrics["reward_fn/test_reward_integrity:out_of_range/errors"] == 2  # nan and inf
     assert metrics["reward_fn/out_of_range"] == 2 and metrics["reward_fn/errors"] == 4
     assert all(math.isfinite(v) for v in metrics.values())
+
+
+# The expected side beyond constants (issue 22): each construct with a solution that copies or steers the
+# expected value instead of computing it (it scored 1.0 when the expected side ran next to the solution),
+# and the correct solution. The expected side now runs in a sandbox without the solution.
+EXPECTED_SIDE = {
+    "assignment": (
+        "expected = [1, 2, 3]\nassert f() == expected",
+        "def f():\n    return globals()['expected']\n",
+        "def f():\n    return [1, 2, 3]\n",
+    ),
+    "slice": (
+        "xs = [5, 4, 3, 2]\nassert f(xs) == xs[1:3]",
+        "def f(xs):\n    xs[:] = [0, 9, 9, 0]\n    return [9, 9]\n",
+        "def f(xs):\n    return xs[1:3]\n",
+    ),
+    "method call": (
+        "xs = [3, 1, 2]\nassert f(xs) == xs.copy()",
+        "def f(xs):\n    xs[:] = [7]\n    return [7]\n",
+        "def f(xs):\n    return list(xs)\n",
+    ),
+    "comprehension": (
+        "assert f() == [i * i for i in range(4)]",
+        "range = lambda n: []\ndef f():\n    return []\n",
+        "def f():\n    return [0, 1, 4, 9]\n",
+    ),
+    "library call": (
+        "import math\nassert f() == math.factorial(5)",
+        "import math\nmath.factorial = lambda n: 0\ndef f():\n    return 0\n",
+        "def f():\n    return 120\n",
+    ),
+    "f-string": (
+        "name = 'rl'\nassert f() == f'{name}!'",
+        "def f():\n    return globals()['name'] + '!'\n",
+        "def f():\n    return 'rl!'\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("construct", sorted(EXPECTED_SIDE))
+def test_the_expected_side_is_computed_without_the_solution(construct):
+    test, cheat, honest = EXPECTED_SIDE[construct]
+    assert score(cheat, [test]) == 0.0
+    assert score(honest, [test]) == 1.0
+
+
+def test_plain_constants_score_the_correct_solution():
+    tests = ["assert f() == [0] * 3", "assert g() == 'ab' * 2", "assert h() == (1,) + (2,)"]
+    honest = "def f():\n    return [0, 0, 0]\ndef g():\n    return 'abab'\ndef h():\n    return (1, 2)\n"
+    assert score(honest, tests) == 1.0  # each scored 0.0 before: sequence arithmetic failed silently
+
+
+def test_a_test_that_cannot_keep_its_expected_value_apart_is_an_error():
+    with pytest.raises(ValueError, match="binds both what the solution is given and what it is checked"):
+        score(HONEST, ["x, expected = [1, 2], 3\nassert add(*x) == expected"])
+    with pytest.raises(ValueError, match="cannot be evaluated: division by zero"):
+        score(HONEST, ["assert add(1, 1) == 1 / 0"])
+    with pytest.raises(ValueError, match=r"the expected value `xs\[5\]` failed to compute"):
+        score(HONEST, ["xs = [1]\nassert add(1, 1) == xs[5]"])
