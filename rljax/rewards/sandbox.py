@@ -221,6 +221,27 @@ def _clean_env(workdir: str, extra: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
+SYSTEM_BINDS = ("/usr", "/etc/ld.so.cache", "/etc/localtime")
+
+
+@functools.lru_cache(maxsize=8)
+def root_binds(python: str) -> tuple[str, ...]:
+    """What a namespace-mode run sees of the host, read-only, at the same paths: the system's programs and
+    libraries (/usr; /bin, /lib, ... are links to it or bound too), the dynamic linker's cache, and the
+    interpreter's own prefix and virtual environment when they live elsewhere. Nothing else: no home, no
+    run directory, no data set, no path socket."""
+    real = os.path.realpath(python)
+    paths = list(SYSTEM_BINDS) + [os.path.dirname(os.path.dirname(real))]
+    venv = os.path.dirname(os.path.dirname(os.path.abspath(python)))
+    if os.path.exists(os.path.join(venv, "pyvenv.cfg")):
+        paths.append(venv)
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.isdir(top) and not os.path.islink(top):  # a distribution without merged /usr
+            paths.append(top)
+    kept = [p for p in dict.fromkeys(paths) if os.path.exists(p)]
+    return tuple(p for p in kept if not any(p != q and p.startswith(q + "/") for q in kept))
+
+
 def _prepare_dir(root: str, mode: str, uid: int | None, code: str, stdin: str) -> str:
     """Files of one run under `root`; returns the workdir the code sees. In namespace mode the code is
     copied into the private /tmp by the boot, and the sandbox never needs to see `root` at all."""
@@ -297,6 +318,7 @@ def _run(mode: str, python: str, code: str, *, stdin: str, timeout_s: float, mem
                 "tmpfs_bytes": int(tmpfs_mb or _settings["tmpfs_mb"]) << 20,
             }
             args = [f"{k}={v}" for k, v in cfg.items()] + [f"cgroup={d}" for d in cgroups]
+            args += [f"bind={path}" for path in root_binds(python)] if mode == "namespace" else []
             argv = [*_launch_prefix(mode), python, "-I", os.path.join(root, "boot.py"), *args]
             timed_out = _launch_and_wait(argv, root, work, env, status_fd, timeout_s, cgroups)
             status = os.pread(status_fd, 4096, 0).decode(errors="replace")

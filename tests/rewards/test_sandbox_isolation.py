@@ -106,27 +106,68 @@ def _host_dir_outside_private_mounts() -> str:
     pytest.fail(f"no writable, world-searchable directory outside {private} to plant the test's directory in")
 
 
-def test_the_rest_of_the_filesystem_is_read_only():
-    # A world-writable host dir outside /tmp: file modes would let any uid write there; the read-only
-    # mounts do not (EROFS).
+def test_the_host_is_hidden_and_what_is_shown_is_read_only():
+    """A private root: a file with the answer planted in a world-readable host directory, a world-writable
+    one and a listening path socket there cannot even be named (ENOENT); /usr, which the interpreter
+    needs, is read-only (EROFS). Audit mode (no namespaces) reads, writes and connects: each probe works."""
     open_dir = pathlib.Path(
-        tempfile.mkdtemp(prefix=".rljax-ro-test-", dir=_host_dir_outside_private_mounts())
+        tempfile.mkdtemp(prefix=".rljax-root-test-", dir=_host_dir_outside_private_mounts())
     )
+    listener = socket.socket(socket.AF_UNIX)
     try:
         open_dir.chmod(0o777)
+        (open_dir / "answers.txt").write_text("42")
+        (open_dir / "answers.txt").chmod(0o644)
+        listener.bind(str(open_dir / "control.sock"))
+        os.chmod(open_dir / "control.sock", 0o777)
+        listener.listen(1)
         code = (
-            "import os\n"
-            "try:\n"
-            f"    open(os.path.join({str(open_dir)!r}, 'planted'), 'w')\n"
-            "    print('wrote')\n"
-            "except OSError as e:\n"
-            "    print(e.errno)\n"
+            "import os, socket\n"
+            "def attempt(fn):\n"
+            "    try:\n"
+            "        return repr(fn())\n"
+            "    except OSError as e:\n"
+            "        return e.errno\n"
+            f"d = {str(open_dir)!r}\n"
+            "print(attempt(lambda: open(os.path.join(d, 'answers.txt')).read()))\n"
+            "print(attempt(lambda: open(os.path.join(d, 'planted'), 'w').close()))\n"
+            "print(attempt(lambda: socket.socket(socket.AF_UNIX).connect(os.path.join(d, 'control.sock'))))\n"
+            "print(attempt(lambda: open('/usr/planted', 'w').close()))\n"
         )
-        result = run_python(code)
-        assert result.stdout.strip() == str(errno.EROFS) and not list(open_dir.iterdir()), result.stdout
-        assert run_python(code, mode="audit").stdout.strip() == "wrote"  # the same write, without the mounts
+        hidden = run_python(code).stdout.split()
+        assert hidden == [str(errno.ENOENT)] * 3 + [str(errno.EROFS)], hidden
+        assert not (open_dir / "planted").exists()
+        shown = run_python(code, mode="audit").stdout.split()
+        assert shown[:3] == ["'42'", "None", "None"], shown  # the same probes, without the private root
     finally:
+        listener.close()
         shutil.rmtree(open_dir)
+
+
+KERNEL_STATE = """
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+def call(*args):
+    r = libc.syscall(*args)
+    return r if r >= 0 else -ctypes.get_errno()
+nr = {"x86_64": (248, 250, 272), "aarch64": (217, 219, 97)}[__import__("platform").machine()]
+add_key, keyctl, unshare = nr
+print(call(add_key, b"user", b"rljax-left-behind", b"answer", 6, -4))  # into the user keyring
+print(call(keyctl, 0, -4, 0))  # KEYCTL_GET_KEYRING_ID of the user keyring
+print(call(unshare, 0x10000000))  # CLONE_NEWUSER
+print(call(x32 := 0x40000000 | 250, 0, -4, 0) if nr[0] == 248 else -errno.EPERM)  # the x32 alias
+import threading, subprocess
+t = threading.Thread(target=print, args=("thread",)); t.start(); t.join()
+print(subprocess.run(["/bin/sh", "-c", "echo child"], capture_output=True, text=True).stdout.strip())
+"""
+
+
+def test_kernel_keyrings_and_new_user_namespaces_are_out_of_reach():
+    """The user keyring outlives a run for the same uid and a new user namespace would give the code root
+    inside it: the seccomp filter refuses both (EPERM), while threads and child processes still work."""
+    out = run_python(KERNEL_STATE).stdout.split()
+    assert out[:4] == [str(-errno.EPERM)] * 4, out
+    assert out[4:] == ["thread", "child"], out
 
 
 SPY = """
