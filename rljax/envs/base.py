@@ -8,6 +8,8 @@ see and produce text, so the token history is never rebuilt from text.
 Steps run in daemon threads with a deadline (`call_with_timeout`, `astep` for asyncio callers): a step
 that hangs is abandoned, not waited for. Abandoning a thread cannot stop it, so anything that can really
 hang or burn CPU (untrusted code) must also bound itself, as the Python tool does with its sandbox.
+The verdict on an episode's final answer is not computed in a step at all: the step hands its text over
+(`StepResult.grade`) and the driver scores it in the reward pool, where a grader that hangs is killed.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ T = TypeVar("T")
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """What one `step` returns: `observation` text to append (ignored when `done`), the step's reward,
-    whether the episode ended, and `info` (keys used by the driver: "tool", "tool_status")."""
+    whether the episode ended, `info` (keys used by the driver: "tool", "tool_status"), and `grade`: the
+    final answer's text, which the driver has the run's reward functions score in the reward pool's
+    worker processes (killed at `reward.timeout_s`) once the episodes end, never in the step's thread."""
 
     observation: str
     reward: float
     done: bool
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    grade: str | None = None
 
 
 class Environment(Protocol):

@@ -22,8 +22,11 @@ reward is whatever the environment gave so far):
 - a turn cut by rollout.max_tokens: the episode ends after the env scores it (env/truncated_turn_length).
 - step_timeout_s around `env.step` (tools have their own, shorter, deadlines): a step that hangs or
   raises ends its episode (env/tool_timeouts, env/step_errors); other episodes carry on.
-Rewards are the sum of the environment's step rewards (plus the sampler's length shaping on the sampled
-token count); `rollout.reward` functions are not applied to multi-turn episodes.
+Rewards are the sum of the environment's step rewards, plus the run's reward functions (`reward.functions`)
+on the final answer an environment hands over (`StepResult.grade`), scored in one batch by the reward
+pool's worker processes once every episode ended (a grader that hangs is killed at `reward.timeout_s`
+and scores its range's minimum; an episode without a final answer gets 0 from them), plus the sampler's
+length shaping on the sampled token count.
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ class Episode:
     turns: int = 0
     done: bool = False
     truncated: bool = False
+    grade: str | None = None  # the final answer's text, scored by the reward pool after the episodes
+    prompt: str = ""  # the first observation (`env.reset`), what the reward functions see as the prompt
     counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     @property
@@ -134,7 +139,8 @@ def start_episodes(sampler: Sampler, examples: list[dict], spec: EnvSpec) -> lis
     for i, example in enumerate(examples):
         for _ in range(sampler.options.group_size):
             env = spec.make_env()
-            episodes.append(Episode(env, i, sampler.encode_text(env.reset(example))))
+            prompt = env.reset(example)
+            episodes.append(Episode(env, i, sampler.encode_text(prompt), prompt=prompt))
     return episodes
 
 
@@ -185,6 +191,8 @@ def apply_step(sampler: Sampler, ep: Episode, result: Any, *, last_turn: bool, m
     if not isinstance(result, StepResult):
         return ep.end("step_errors")
     ep.reward += float(result.reward)
+    if result.grade is not None:
+        ep.grade = result.grade
     for name in _STATUS_COUNTS.get(result.info.get("tool_status"), ()):
         ep.counts[name] += 1
     if result.done or ep.done:
@@ -254,6 +262,27 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     return out
 
 
+def grade_episodes(
+    sampler: Sampler, examples: list[dict], episodes: list[Episode]
+) -> tuple[np.ndarray, dict, dict]:
+    """The run's reward functions on each episode's final answer, in the reward pool (one batch): (f32[N]
+    rewards, zeros where an episode handed none; per-function f32[N]; the pool's metrics)."""
+    graded = [k for k, e in enumerate(episodes) if e.grade is not None]
+    total = np.zeros(len(episodes), np.float32)
+    if not graded:
+        return total, {}, {}
+    items = [
+        {"prompt": e.prompt, "completion": e.grade, "example": examples[e.example_index]}
+        for e in (episodes[k] for k in graded)
+    ]
+    rewards, per_fn, metrics = sampler.rewards.score(items)
+    total[graded] = rewards
+    full = {name: np.zeros(len(episodes), np.float32) for name in per_fn}
+    for name, values in per_fn.items():
+        full[name][graded] = values
+    return total, full, metrics
+
+
 def generate_multi_turn_groups(
     sampler: Sampler, examples: list[dict], seed: int, *, spec: EnvSpec
 ) -> tuple[list[Group], dict]:
@@ -261,12 +290,14 @@ def generate_multi_turn_groups(
     `rollout_phase.generate_groups`."""
     episodes = start_episodes(sampler, examples, spec)
     run_episodes(sampler, episodes, seed, spec.limits)
-    env_rewards = np.asarray([e.reward for e in episodes], np.float32)
+    verdict, per_fn, grade_metrics = grade_episodes(sampler, examples, episodes)
+    env_rewards = np.asarray([e.reward for e in episodes], np.float32) + verdict
     rewards = env_rewards + sampler.length_shaping([sum(e.mask) for e in episodes])
     groups = [Group(ex, [], {}) for ex in examples]
     for e, r in zip(episodes, rewards, strict=True):
         groups[e.example_index].trajectories.append(to_trajectory(e, r))
     size = sampler.options.group_size
     for j, g in enumerate(groups):
-        g.per_fn = {"env": env_rewards[j * size : (j + 1) * size]}
-    return groups, episode_metrics(episodes) | sampler.engine.metrics()
+        window = slice(j * size, (j + 1) * size)
+        g.per_fn = {"env": env_rewards[window]} | {name: v[window] for name, v in per_fn.items()}
+    return groups, episode_metrics(episodes) | grade_metrics | sampler.engine.metrics()

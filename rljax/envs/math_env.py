@@ -11,7 +11,9 @@ Conversation (Qwen chat format; the tiny test tokenizer has the same special tok
 `prefill` puts the opening of the call into the prompt: "none" (the model must write the whole call),
 "call" (up to the argument's opening quote) or "expression" (the expression too: the model only has to
 close the call, which is what a tiny model can learn in a few hundred SFT steps). Rewards: 0 for tool
-steps, `math_reward` of the final answer turn (the last turn without a tool call) at the end. A
+steps; the final answer turn (the last turn without a tool call) is handed to the driver as
+`StepResult.grade`, which the run's reward functions score (`reward.functions`, default `math`) in the
+reward pool's worker processes, where a grade that hangs is killed at `reward.timeout_s`. A
 malformed or failed call gets an error observation and the episode goes on (up to the driver's turn limit).
 """
 
@@ -26,7 +28,6 @@ from rljax.envs.base import StepResult
 from rljax.envs.driver import ENVS, EnvSpec
 from rljax.envs.parsing import OPEN, MalformedCall, parse_tool_call
 from rljax.envs.tools import run_tool
-from rljax.rewards.math_verify import math_reward
 
 USER_TURN = "<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
 TOOL_RESPONSE = (
@@ -82,8 +83,8 @@ class ToolMathEnv:
         message, self._message = self._message + action, ""
         call = parse_tool_call(message)
         if call is None:
-            reward = math_reward(prompt="", completion=answer_text(message), example=self._example)
-            return StepResult("", float(reward), True, {"tool": None, "tool_status": None})
+            info = {"tool": None, "tool_status": None}
+            return StepResult("", 0.0, True, info, grade=answer_text(message))
         if isinstance(call, MalformedCall):
             output = f"error: malformed tool call: {call.reason}"
             return StepResult(TOOL_RESPONSE.format(output=output), 0.0, False, {"tool_status": "malformed"})

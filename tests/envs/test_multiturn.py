@@ -8,6 +8,7 @@ The proof with real vLLM generation is tests/envs/test_multiturn_vllm.py.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from rljax.data import make_prompt_renderer
 from rljax.envs import EnvSpec, EpisodeLimits, StepResult, generate_multi_turn_groups
 from rljax.envs.math_env import TOOL_RESPONSE, ToolMathEnv
 from rljax.models.tiny import build_tokenizer
+from rljax.rewards.math_verify import math_reward
 from rljax.rollout.client import Completion
 from rljax.sampling import Sampler, SamplingOptions
 from rljax.trajectory import build_loss_inputs
@@ -48,8 +50,19 @@ class ScriptedEngine:
         return {}
 
 
-def make_sampler(tokenizer, script, *, max_tokens=16, max_len=512, group_size=2) -> Sampler:
-    """A real Sampler over the scripted engine (no reward pool: environments score their episodes)."""
+class MathScorer:
+    """The run's reward functions in this process (the `Scorer` protocol): `math` on each item."""
+
+    def score(self, items):
+        rewards = np.float32([math_reward(**item) for item in items])
+        return rewards, {"math": rewards}, {"reward_fn/calls": float(len(items))}
+
+    def close(self):
+        pass
+
+
+def make_sampler(tokenizer, script, *, max_tokens=16, max_len=512, group_size=2, rewards=None) -> Sampler:
+    """A real Sampler over the scripted engine; `rewards` grades final answers (default: `math` here)."""
     options = SamplingOptions(
         group_size=group_size,
         temperature=1.0,
@@ -62,7 +75,7 @@ def make_sampler(tokenizer, script, *, max_tokens=16, max_len=512, group_size=2)
     renderer = make_prompt_renderer(tokenizer, template="{prompt}", chat_template=False)
     engine = ScriptedEngine(tokenizer, script)
     no_shaping = lambda lengths: np.zeros(len(lengths), np.float32)  # noqa: E731
-    return Sampler(tokenizer, engine, renderer, None, no_shaping, options)
+    return Sampler(tokenizer, engine, renderer, rewards or MathScorer(), no_shaping, options)
 
 
 EXAMPLES = [{"expr": "3 + 4", "answer": "7"}, {"expr": "6 * 7", "answer": "42"}]
@@ -181,3 +194,26 @@ def test_malformed_call_gets_an_error_observation(tokenizer):
 
 def test_step_results_are_plain_data():
     assert StepResult("o", 1.0, True).info == {}
+
+
+def hangs_or_grades(*, prompt, completion, example, **options):
+    """A verifier that hangs on the answer "hang" (as a grader stuck in C code would), else `math`."""
+    if completion == "hang":
+        time.sleep(3600)
+    return math_reward(prompt=prompt, completion=completion, example=example)
+
+
+def test_a_hanging_verdict_is_killed_in_the_reward_pool_not_waited_for(tokenizer):
+    """The final answers are graded in the reward pool's worker processes, not in the step's thread: a
+    grade that hangs is killed at the pool's timeout (its episodes score the minimum), the others count."""
+    from rljax.rewards import RewardPool
+
+    with RewardPool([(hangs_or_grades, 1.0, {})], num_workers=1, timeout_s=1.0) as pool:
+        sampler = make_sampler(tokenizer, answer_script(["hang", "42"]), rewards=pool)
+        t0 = time.monotonic()
+        groups, metrics = generate_multi_turn_groups(sampler, EXAMPLES, seed=0, spec=SPEC)
+        elapsed = time.monotonic() - t0
+    assert elapsed < 30.0  # two 1 s kills and restarts; a stall would take the full hour
+    assert [t.reward for t in groups[0].trajectories] == [0.0, 0.0]  # hung: killed, scored 0
+    assert [t.reward for t in groups[1].trajectories] == [1.0, 1.0]  # 42 is 6 * 7
+    assert metrics["reward_fn/timeouts"] == 2.0

@@ -23,6 +23,7 @@ from jax_env import child_env
 from rljax.data import make_prompt_renderer
 from rljax.envs import ENVS, generate_multi_turn_groups
 from rljax.envs.math_env import TOOL_RESPONSE
+from rljax.rewards import RewardPool
 from rljax.sampling import Sampler, SamplingOptions
 from rljax.trajectory import build_loss_inputs
 
@@ -46,8 +47,8 @@ def served(tmp_path_factory):
         engine.close()
 
 
-def _sampler(served, tok, group_size=4) -> Sampler:
-    """A real Sampler over the served engine (environments score their own episodes: no reward pool)."""
+def _sampler(served, tok, pool, group_size=4) -> Sampler:
+    """A real Sampler over the served engine; `pool` grades the episodes' final answers."""
     options = SamplingOptions(
         group_size=group_size,
         temperature=1.0,
@@ -59,7 +60,7 @@ def _sampler(served, tok, group_size=4) -> Sampler:
     )
     renderer = make_prompt_renderer(tok, template="{prompt}", chat_template=False)
     no_shaping = lambda lengths: np.zeros(len(lengths), np.float32)  # noqa: E731
-    return Sampler(tok, served.engine, renderer, None, no_shaping, options)
+    return Sampler(tok, served.engine, renderer, pool, no_shaping, options)
 
 
 def test_token_in_token_out_with_real_vllm(served):
@@ -68,8 +69,11 @@ def test_token_in_token_out_with_real_vllm(served):
 
     tok = transformers.AutoTokenizer.from_pretrained(served.path)
     examples = [{"expr": f"{a} + {b}", "answer": str(a + b)} for a, b in ((1, 2), (3, 4), (2, 2), (4, 0))]
-    sampler = _sampler(served, tok)
-    groups, metrics = generate_multi_turn_groups(sampler, examples, seed=7, spec=ENVS.get("calculator_math"))
+    with RewardPool([("math", 1.0, {})], num_workers=1) as pool:
+        sampler = _sampler(served, tok, pool)
+        groups, metrics = generate_multi_turn_groups(
+            sampler, examples, seed=7, spec=ENVS.get("calculator_math")
+        )
     assert metrics["env/tool_calls"] >= 8, metrics  # the tool path ran for real on most episodes
     ref = TorchReference(served.path)
     checked = 0
