@@ -57,7 +57,7 @@ def start(cfg: config_lib.Config, workdir: str) -> None:
     from rljax.loop.inputs import resolve_inputs
 
     try:
-        config_lib.validate_runtime(cfg, jax.device_count())
+        config_lib.validate_runtime(cfg, jax.device_count(), jax.process_count())
         examples = resolve_inputs(cfg, workdir)
     except config_lib.ConfigError as e:
         fail(f"config: {e}")

@@ -29,6 +29,7 @@ from rljax.config.runtime_checks import (
 from rljax.config.schema import (
     CANARY_TOLERANCES,
     DEFAULTS,
+    FP8_SERVING,
     SANDBOX_MODES,
     TRANSPORTS,
     AlgoConfig,
@@ -52,6 +53,7 @@ from rljax.config.validation import algo_family, is_loopback_host, mesh_shape, v
 
 __all__ = [
     "CANARY_TOLERANCES",
+    "FP8_SERVING",
     "DEFAULTS",
     "REMOVED_FIELDS",
     "SANDBOX_MODES",

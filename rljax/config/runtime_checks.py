@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from rljax.config.packing_checks import SPLASH_SHARED_PROMPTS
-from rljax.config.schema import Config, ConfigError, DataConfig
+from rljax.config.schema import FP8_SERVING, Config, ConfigError, DataConfig, serving_dtype
 from rljax.config.validation import mesh_shape
 from rljax.kernels import check_backend
 
@@ -35,7 +35,7 @@ def check_chat_template(data: DataConfig, tokenizer_path: str) -> None:
         )
 
 
-def validate_runtime(cfg: Config, num_devices: int) -> dict[str, int]:
+def validate_runtime(cfg: Config, num_devices: int, num_processes: int = 1) -> dict[str, int]:
     """Checks that need the machine, before anything is allocated: mesh vs device count, that
     `trainer.logprob_impl` runs on this backend, the model directory, the micro-batch vs data parallelism,
     (unless `mesh.allow_replication`) that every mesh axis divides each dimension the sharding rules give
@@ -52,6 +52,12 @@ def validate_runtime(cfg: Config, num_devices: int) -> dict[str, int]:
 
         if not sees_shared_prompts(resolve_attention_impl(cfg.model.attention_impl, cfg.model.compute_dtype)):
             raise ConfigError("model.attention_impl", SPLASH_SHARED_PROMPTS)
+    if serving_dtype(cfg) == FP8_SERVING and num_processes > 1:
+        raise ConfigError(
+            "rollout.weight_sync.dtype",
+            f"{FP8_SERVING} scales each tensor by its maximum over the whole tensor; a job of "
+            f"{num_processes} processes stages shards (not yet supported with fp8): use bfloat16",
+        )
     path = cfg.model.path
     if not os.path.isdir(path):
         raise ConfigError("model.path", f"no such directory: {path!r} (a local Hugging Face checkpoint)")

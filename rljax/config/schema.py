@@ -132,8 +132,9 @@ class WeightSyncConfig:
     tcp_timeout_s: float = 30.0  # tcp/zmq: connect and per-receive timeout (a dead peer fails within it)
     bucket_mb: int = 64
     # The dtype vLLM serves in and the weights are cast to (on device) before staging: "" or "auto" = the
-    # master dtype (model.param_dtype); bfloat16 halves the bytes moved and serves like bf16-compute presets.
-    dtype: str = _choice("", "", "auto", "float32", "bfloat16", "float16")
+    # master dtype (model.param_dtype); bfloat16 halves the bytes moved and serves like bf16-compute presets;
+    # float8_e4m3: projections in fp8 with per-tensor scales (rljax.weight_sync.fp8; vLLM's CUDA build only).
+    dtype: str = _choice("", "", "auto", "float32", "bfloat16", "float16", "float8_e4m3")
     # 0: from the serving dtype (CANARY_TOLERANCES); > 0 overrides it.
     canary_tolerance: float = 0.0
     checksums: bool = False
@@ -146,7 +147,9 @@ class WeightSyncConfig:
 # measured on the default job (real vLLM CPU, bf16 serving, f32 masters, 40 steps): canary max |dlogp| per
 # sync median 0.18, max 0.38 (so 0.5; a thin margin: recheck on real models); float16 (3 more mantissa
 # bits, ~8x finer) scaled from it, not measured.
-CANARY_TOLERANCES = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.1}
+# float8_e4m3: not measured (no fp8 engine on these machines); e4m3 keeps 3 mantissa bits to bf16's 7.
+CANARY_TOLERANCES = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.1, "float8_e4m3": 1.0}
+FP8_SERVING = "float8_e4m3"
 
 
 def serving_dtype(cfg: Config) -> str:

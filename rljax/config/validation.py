@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from rljax.config.packing_checks import validate_packing
 from rljax.config.parsing import field_types
-from rljax.config.schema import SANDBOX_MODES, Config, ConfigError, MeshConfig, RolloutConfig
+from rljax.config.schema import FP8_SERVING, SANDBOX_MODES, Config, ConfigError, MeshConfig, RolloutConfig
 
 if TYPE_CHECKING:  # rljax.algos imports JAX: at run time it is imported inside the checks that need it
     from rljax.algos import Family
@@ -324,6 +324,12 @@ def _validate_servers(ro: RolloutConfig) -> None:
             "rollout.vllm.extra_args",
             "--enable-chunked-prefill crashes vLLM's CPU build on seeded requests (its CPU generator "
             "cannot rewind a partial prefill's sample); rljax turns it off there: drop the flag",
+        )
+    if ro.weight_sync.dtype == FP8_SERVING and not vc.urls and vllm_is_cpu_build():
+        raise ConfigError(
+            "rollout.weight_sync.dtype",
+            f"{FP8_SERVING} serves with vLLM's fp8 kernels (--quantization fp8), which its CPU build does "
+            "not have (_C::static_scaled_fp8_quant): use bfloat16 here, or GPU servers (rollout.vllm.urls)",
         )
     if vc.block_size < 0 or vc.block_size % 32:
         raise ConfigError(

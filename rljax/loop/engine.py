@@ -28,14 +28,14 @@ import jax
 import numpy as np
 
 from rljax import device_plan, models, trainer
-from rljax.config import Config, canary_tolerance, serving_dtype
+from rljax.config import FP8_SERVING, Config, canary_tolerance, serving_dtype
 from rljax.distributed import cast_params, is_leader, to_host
 from rljax.loop.sharded_sync import PushState, push_sharded, single_host
 from rljax.rollout import ClientOptions, RolloutEngine, placement
 from rljax.rollout.auth import read_token_file
 from rljax.rollout.server import options_from_config
 from rljax.trajectory import Trajectory, build_loss_inputs
-from rljax.weight_sync import SyncOptions, WeightSyncError, served, transports
+from rljax.weight_sync import SyncOptions, WeightSyncError, fp8, served, transports
 from rljax.weight_sync.canary import CanarySpec
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, ShardStager
 
@@ -108,7 +108,8 @@ class JaxWeights:
         if jax.process_count() > 1:
             raise RuntimeError("JaxWeights pushes a single-process run's params; use ShardedJaxWeights")
         early = EarlyCanary(self.canary_logprobs(params), canary)
-        host = cast_params(params, self.dtype)  # on device; converted one tensor at a time by the sync
+        # on device; converted one tensor at a time by the sync (fp8: scaled per tensor on the host)
+        host = cast_params(params, None if self.dtype == FP8_SERVING else self.dtype)
         return push(JaxSnapshot(self.model_config, host, self.dtype, _Memo(early)))
 
     def close(self) -> None:
@@ -124,6 +125,8 @@ class JaxSnapshot:
 
     def tensors(self):
         """`(hf_name, array)` in the serving layout and dtype, converted one tensor at a time."""
+        if self.dtype == FP8_SERVING:
+            return fp8.fp8_tensors(models.iter_hf_tensors(self.model_config, self.host, "float32"))
         return models.iter_hf_tensors(self.model_config, self.host, self.dtype)
 
     def push(self, syncer, version: int) -> dict:

@@ -40,7 +40,14 @@ from pathlib import Path
 import requests
 
 from rljax import device_plan, envvars, lockdir
-from rljax.config import DEFAULTS, Config, is_loopback_host, serving_dtype, vllm_is_cpu_build
+from rljax.config import (
+    DEFAULTS,
+    FP8_SERVING,
+    Config,
+    is_loopback_host,
+    serving_dtype,
+    vllm_is_cpu_build,
+)
 from rljax.rollout import auth, placement
 from rljax.rollout.crashes import crash_cause, prefill_args
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, STAGING_DIR_ENV
@@ -143,7 +150,7 @@ def server_command(model_path: str, host: str, port: int, options: ServerOptions
         "--port",
         str(port),
         "--dtype",
-        options.dtype,
+        "bfloat16" if options.dtype == FP8_SERVING else options.dtype,
         "--max-model-len",
         str(options.max_model_len),
         "--gpu-memory-utilization",
@@ -166,6 +173,8 @@ def server_command(model_path: str, host: str, port: int, options: ServerOptions
     ]
     if options.block_size is not None:
         cmd += ["--block-size", str(options.block_size)]
+    if options.dtype == FP8_SERVING:  # fp8 projections with their scales (rljax.weight_sync.fp8), rest bf16
+        cmd += ["--quantization", "fp8"]
     cpu_build = vllm_is_cpu_build() if options.cpu_build is None else options.cpu_build
     cmd += prefill_args(options.max_model_len, cpu_build=cpu_build)
     if cpu_build if options.enforce_eager is None else options.enforce_eager:

@@ -195,7 +195,7 @@ class _BucketFile:
         self._f = open(fd, "wb", buffering=0)
 
     def append(self, name: str, array: np.ndarray, checksum: bool, index=None) -> None:
-        array = np.ascontiguousarray(array)
+        array = np.ascontiguousarray(array).reshape(np.shape(array))  # a scalar (a weight_scale) stays 0-d
         data = memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
         pad = wire.aligned(self.size) - self.size
         if pad:

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 
 ALIGN = 64
-DTYPES = ("float32", "bfloat16", "float16")
-_ST_TO_NAME = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")  # fp8: `rljax.weight_sync.fp8`
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+_ST_TO_NAME = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,7 @@ def aligned(n: int) -> int:
 def itemsize(dtype: str) -> int:
     if dtype not in DTYPES:
         raise ValueError(f"unsupported wire dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    return 4 if dtype == "float32" else 2
+    return _ITEMSIZE[dtype]
 
 
 def update_info(path: str, bucket: int, entries: list[TensorEntry], *, copy: bool) -> dict:

@@ -58,7 +58,12 @@ from rljax.weight_sync.worker import fanout
 
 logger = init_logger("vllm.rljax_shm")  # under "vllm": vLLM configures only that logger tree
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 
 
 @dataclasses.dataclass
@@ -289,7 +294,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self._release()
 
 
-_UINTS = {2: np.uint16, 4: np.uint32}  # raw element bits: numpy has no bfloat16
+_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32}  # raw element bits: numpy has no bfloat16 or fp8
 
 
 def _checked_view(buf, e: wire.TensorEntry) -> memoryview:
