@@ -15,6 +15,7 @@ CORE = [
     "tokenizers>=0.20",
     "tensorboardX>=2.6",
     "numpy>=1.26",
+    "ml-dtypes>=0.5",  # bfloat16 and float8 arrays on the host (jax depends on it too)
     "aiohttp>=3.9",
     "requests>=2.31",
     "matplotlib>=3.8",
@@ -53,6 +54,7 @@ EXTRAS = {
         "ipykernel>=6.29",
         "tensorboard>=2.16",
         "ruff>=0.6",
+        "kubernetes-validate>=1.30",  # the rendered Kubernetes manifests, checked offline (--strict)
     ],  # the suite also needs the data and wandb extras (setup_env.sh installs them)
 }
 

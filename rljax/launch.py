@@ -19,6 +19,10 @@ GPUs and memory share of each, and the GPUs of the servers the leader starts.
 prints that plan as JSON (each server's command line and devices too; ports 8000 + i stand for the free
 ports owned servers take), starting nothing; an impossible plan is one line naming the field, exit 2.
 
+Other launchers, the same process plan (`rljax.process_plan`): `--backend=k8s --render=DIR` writes
+Kubernetes manifests (`rljax.k8s_launch`), `--backend=k8s-local` runs them here as local processes,
+`--backend=ray --address=ADDR` runs the job on a Ray cluster (`rljax.ray_launch`); docs/launch.md.
+
 Helpers used by launch/gpu_slurm.sh:
     python -m rljax.launch --print-config model.path [KEY ...] -- <rljax.main args>
     python -m rljax.launch --plan-env --gpus G --nodes M --rollout-nodes K -- ARGS  (KEY=VALUE lines)
@@ -39,7 +43,7 @@ import time
 
 from rljax import config as config_lib
 from rljax import device_plan
-from rljax.preflight import check_urls
+from rljax.process_plan import process_envs, wait_healthy, workdir_of
 from rljax.runtime import config_from_args
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -62,48 +66,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def process_envs(
-    num_processes: int, devices_per_process: int, port: int, base: dict, host: str = "127.0.0.1"
-) -> list[dict]:
-    """The environment of each process: coordinator, rank, and its devices. The one process plan every
-    launcher uses (local, Ray, Kubernetes): `host` is the coordinator's address (process 0's node)."""
-    platform = base.get("RLJAX_PLATFORM", "cpu")
-    envs = []
-    for rank in range(num_processes):
-        env = dict(
-            base,
-            RLJAX_COORDINATOR=f"{host}:{port}",
-            # JAX's coordinator binds every interface ([::]:port) unless told otherwise; it needs only the
-            # address the others dial, and nothing else on the network should reach the job's key-value store.
-            JAX_COORDINATOR_BIND_ADDRESS=f"{host}:{port}",
-            RLJAX_NUM_PROCESSES=str(num_processes),
-            RLJAX_PROCESS_ID=str(rank),
-            RLJAX_PLATFORM=platform,
-            PYTHONUNBUFFERED="1",
-        )
-        for key in ("SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID"):  # not a Slurm step
-            env.pop(key, None)
-        if devices_per_process and platform == "cpu":
-            env["RLJAX_CPU_DEVICES"] = str(devices_per_process)
-        elif devices_per_process:
-            first = rank * devices_per_process
-            env["RLJAX_LOCAL_DEVICE_IDS"] = ",".join(
-                str(i) for i in range(first, first + devices_per_process)
-            )
-        envs.append(env)
-    return envs
-
-
-def workdir_of(args: list[str]) -> str | None:
-    """The --workdir value in rljax.main arguments, if any."""
-    for i, arg in enumerate(args):
-        if arg.startswith("--workdir="):
-            return arg.split("=", 1)[1]
-        if arg == "--workdir" and i + 1 < len(args):
-            return args[i + 1]
-    return None
 
 
 def _pump(proc: subprocess.Popen, rank: int, log_path: str | None) -> None:
@@ -204,19 +166,44 @@ def _wait_all(procs: list[subprocess.Popen]) -> int:
 
 
 def wait_url(url: str, timeout_s: float) -> bool:
-    """Polls `url` until it answers 2xx or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
-    base = url[: -len("/health")] if url.endswith("/health") else url
-    while time.monotonic() < deadline:
-        if not check_urls([base], timeout_s=2.0):
-            return True
-        time.sleep(2.0)
-    return False
+    """Polls `url` (its `/health` when it does not end in it) until it answers 2xx or `timeout_s` passes."""
+    health = url if url.endswith("/health") else url.rstrip("/") + "/health"
+    return wait_healthy(health, timeout_s)
+
+
+BACKENDS = ("local", "k8s", "k8s-local", "ray")
+
+
+def _backend(ours: list[str]) -> tuple[str, list[str]]:
+    """(`--backend` value, the other flags): the backend's own flags go to its `main`."""
+    for i, arg in enumerate(ours):
+        if arg.startswith("--backend="):
+            return arg.split("=", 1)[1], ours[:i] + ours[i + 1 :]
+        if arg == "--backend" and i + 1 < len(ours):
+            return ours[i + 1], ours[:i] + ours[i + 2 :]
+    return "local", ours
+
+
+def _other_backend(backend: str, ours: list[str], rest: list[str]) -> int:
+    """Kubernetes (`rljax.k8s_launch`: manifests; `k8s-local` runs them here) or Ray (`rljax.ray_launch`)."""
+    if backend in ("k8s", "k8s-local"):
+        from rljax import k8s_launch
+
+        return k8s_launch.main([*(["--local"] if backend == "k8s-local" else []), *ours, "--", *rest])
+    if backend == "ray":
+        from rljax import ray_launch
+
+        return ray_launch.main([*ours, "--", *rest])
+    print(f"rljax: error: --backend: must be one of {', '.join(BACKENDS)}, got {backend!r}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    backend, ours = _backend(ours)
+    if backend != "local":
+        return _other_backend(backend, ours, rest)
     parser = argparse.ArgumentParser(prog="python -m rljax.launch", description=__doc__.split("\n")[0])
     parser.add_argument("--num-processes", type=int, default=0)
     parser.add_argument("--devices-per-process", type=int, default=0)

@@ -1,0 +1,69 @@
+"""The process plan every launcher uses: each JAX process's environment (coordinator, rank, devices).
+
+`process_envs(n, devices_per_process, port, base, host)` is what the local launcher (`rljax.launch`), the
+Kubernetes manifests (`rljax.k8s_render`) and the Ray actors (`rljax.ray_launch`) give their processes, so
+the three start the same job; Slurm's script sets the same variables itself (`launch/gpu_slurm.sh`).
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+
+
+def process_envs(
+    num_processes: int, devices_per_process: int, port: int, base: dict, host: str = "127.0.0.1"
+) -> list[dict]:
+    """The environment of each process: coordinator, rank, and its devices. The one process plan every
+    launcher uses (local, Ray, Kubernetes): `host` is the coordinator's address (process 0's node)."""
+    platform = base.get("RLJAX_PLATFORM", "cpu")
+    envs = []
+    for rank in range(num_processes):
+        env = dict(
+            base,
+            RLJAX_COORDINATOR=f"{host}:{port}",
+            # JAX's coordinator binds every interface ([::]:port) unless told otherwise; it needs only the
+            # address the others dial, and nothing else on the network should reach the job's key-value store.
+            JAX_COORDINATOR_BIND_ADDRESS=f"{host}:{port}",
+            RLJAX_NUM_PROCESSES=str(num_processes),
+            RLJAX_PROCESS_ID=str(rank),
+            RLJAX_PLATFORM=platform,
+            PYTHONUNBUFFERED="1",
+        )
+        for key in ("SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID"):  # not a Slurm step
+            env.pop(key, None)
+        if devices_per_process and platform == "cpu":
+            env["RLJAX_CPU_DEVICES"] = str(devices_per_process)
+        elif devices_per_process:
+            first = rank * devices_per_process
+            env["RLJAX_LOCAL_DEVICE_IDS"] = ",".join(
+                str(i) for i in range(first, first + devices_per_process)
+            )
+        envs.append(env)
+    return envs
+
+
+def workdir_of(args: list[str]) -> str | None:
+    """The --workdir value in rljax.main arguments, if any."""
+    for i, arg in enumerate(args):
+        if arg.startswith("--workdir="):
+            return arg.split("=", 1)[1]
+        if arg == "--workdir" and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def wait_healthy(url: str, timeout_s: float, poll_s: float = 2.0) -> bool:
+    """Polls `GET url` (a server's /health) until it answers 2xx or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=min(2.0, timeout_s)) as resp:
+                if 200 <= resp.status < 300:
+                    return True
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        if time.monotonic() + poll_s > deadline:
+            return False
+        time.sleep(poll_s)
