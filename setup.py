@@ -40,6 +40,8 @@ EXTRAS = {
     # (data.source), the Weights & Biases writer (metrics.wandb_project).
     "data": ["pyarrow>=15", "datasets>=3"],
     "wandb": ["wandb>=0.18"],
+    # `python -m rljax.launch --backend=ray` (rljax.ray_launch imports ray only when it runs).
+    "ray": ["ray[default]==2.60.*"],
     # `python -m rljax.models.fetch`: transformers reads GGUF files through `gguf` (+ `accelerate`) and
     # dequantizes them with torch (which the cpu/gpu extras bring); the model package itself is fetched
     # at run time into a cache, never installed into the environment.
@@ -55,7 +57,7 @@ EXTRAS = {
         "tensorboard>=2.16",
         "ruff>=0.6",
         "kubernetes-validate>=1.30",  # the rendered Kubernetes manifests, checked offline (--strict)
-    ],  # the suite also needs the data and wandb extras (setup_env.sh installs them)
+    ],  # the suite also needs the data, wandb and ray extras (setup_env.sh installs them)
 }
 
 setup(

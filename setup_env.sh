@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates ./.venv and installs rljax with its extras. Idempotent: a second run takes seconds.
-#   bash setup_env.sh          # CPU: .[cpu,data,fetch,wandb,test] (vLLM CPU build, torch 2.13.0+cpu)
-#   bash setup_env.sh gpu      # GPU: .[gpu,data,fetch,wandb,test] (vLLM CUDA, JAX CUDA plugin, jax-triton)
+#   bash setup_env.sh          # CPU: .[cpu,data,fetch,wandb,ray,test] (vLLM CPU build, torch 2.13.0+cpu)
+#   bash setup_env.sh gpu      # GPU: .[gpu,data,fetch,wandb,ray,test] (vLLM CUDA, JAX CUDA plugin, jax-triton)
 #   bash setup_env.sh cpu --with-slurm   # also Debian's Slurm (the launch tests start a local cluster)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -19,7 +19,7 @@ STAMP=".venv/.rljax-installed-$TARGET"
 HASH=$(cat setup.py | sha256sum | cut -c1-16)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
   .venv/bin/python -m pip install -q --upgrade "pip>=24" "setuptools>=68" wheel
-  .venv/bin/python -m pip install -q -e ".[$TARGET,data,fetch,wandb,test]"
+  .venv/bin/python -m pip install -q -e ".[$TARGET,data,fetch,wandb,ray,test]"
   if [ "$TARGET" = cpu ]; then
     # PyPI's torchvision/torchaudio/torchcodec break `import transformers` models next to torch+cpu.
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

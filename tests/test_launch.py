@@ -145,3 +145,15 @@ def test_config_from_args_reads_the_file_then_each_override():
     assert runtime.split_config_args(args)[2] == ["--workdir=/tmp/unused"]
     with pytest.raises(config_lib.ConfigError, match="override needs a value"):
         runtime.split_config_args(["--config=configs/grpo.py", "--config.algo.beta", "--workdir=x"])
+
+
+def test_backends_take_their_own_flags_and_unknown_ones_are_one_line(capsys):
+    """--backend picks the launcher; its flags and the rljax.main args go through to it unchanged."""
+    assert launch.main(["--backend=nope", "--", "--config=configs/grpo.py"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "rljax: error: --backend: must be one of local, k8s, k8s-local, ray, got 'nope'"
+    )
+    assert launch.main(["--backend", "k8s", "--num-processes", "0", "--", "--workdir=/runs/x"]) == 2
+    assert capsys.readouterr().err.startswith("rljax: error: --num-processes")
+    assert launch.main(["--backend=ray", "--num-processes", "0", "--", "--workdir=/runs/x"]) == 2
+    assert capsys.readouterr().err.startswith("rljax: error: --num-processes")
