@@ -21,9 +21,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
-from rljax import k8s_yaml
+from rljax import k8s_yaml, process_plan
 from rljax.config import ConfigError
 
 IMAGE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER")  # what an image's environment supplies
@@ -130,26 +129,6 @@ def workdir_of(resources: list[dict]) -> str:
     return path
 
 
-def wait_job(procs: list[subprocess.Popen], grace_s: float) -> int:
-    """0 when every pod succeeds; else the first failure's code, after ending the others (SIGTERM, then
-    SIGKILL after `grace_s`), as a Job with backoffLimit 0 does."""
-    first_bad, failed_at = None, None
-    while True:
-        codes = [p.poll() for p in procs]
-        if first_bad is None and any(c not in (None, 0) for c in codes):
-            first_bad, failed_at = next(c for c in codes if c not in (None, 0)), time.monotonic()
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-        if failed_at is not None and time.monotonic() - failed_at > grace_s:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        if all(c is not None for c in codes):
-            return first_bad or 0
-        time.sleep(0.1)
-
-
 def run_local(render_dir: str, image_env: dict[str, str] | None = None, cwd: str | None = None) -> int:
     """Runs the trainer pods of the job rendered in `render_dir` on this machine (see the module doc);
     returns the job's exit code. `image_env`: the image's environment under the pods' (default: IMAGE_ENV
@@ -168,7 +147,7 @@ def run_local(render_dir: str, image_env: dict[str, str] | None = None, cwd: str
         for rank, (argv, env) in enumerate(commands):
             with open(os.path.join(logdir, f"rank-{rank}.log"), "a") as log:
                 procs.append(subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT))
-        code = wait_job(procs, grace)
+        code = process_plan.wait_all(procs, grace)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -39,11 +39,10 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 from rljax import config as config_lib
 from rljax import device_plan
-from rljax.process_plan import process_envs, wait_healthy, workdir_of
+from rljax.process_plan import process_envs, wait_all, wait_healthy, workdir_of
 from rljax.runtime import config_from_args
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -130,7 +129,7 @@ def launch(
         t.start()
     previous = {s: signal.signal(s, lambda signum, _: _forward(procs, signum)) for s in FORWARDED_SIGNALS}
     try:
-        code = _wait_all(procs)
+        code = wait_all(procs, KILL_GRACE_S)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -143,26 +142,6 @@ def _forward(procs: list[subprocess.Popen], signum: int) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
-
-
-def _wait_all(procs: list[subprocess.Popen]) -> int:
-    """Waits for every process; on the first failure terminates the rest (kill-on-bad-exit) and returns
-    that first failure's code, else 0."""
-    first_bad, failed_at = None, None
-    while True:
-        codes = [p.poll() for p in procs]
-        if first_bad is None and any(c not in (None, 0) for c in codes):
-            first_bad, failed_at = next(c for c in codes if c not in (None, 0)), time.monotonic()
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-        if failed_at is not None and time.monotonic() - failed_at > KILL_GRACE_S:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        if all(c is not None for c in codes):
-            return first_bad or 0
-        time.sleep(0.1)
 
 
 def wait_url(url: str, timeout_s: float) -> bool:

@@ -7,6 +7,7 @@ the three start the same job; Slurm's script sets the same variables itself (`la
 
 from __future__ import annotations
 
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -67,3 +68,24 @@ def wait_healthy(url: str, timeout_s: float, poll_s: float = 2.0) -> bool:
         if time.monotonic() + poll_s > deadline:
             return False
         time.sleep(poll_s)
+
+
+def wait_all(procs: list[subprocess.Popen], grace_s: float) -> int:
+    """Waits for every process; on the first failure terminates the others (SIGTERM, then SIGKILL after
+    `grace_s`: srun's --kill-on-bad-exit, a Job's backoffLimit 0) and returns that first failure's code,
+    else 0."""
+    first_bad, failed_at = None, None
+    while True:
+        codes = [p.poll() for p in procs]
+        if first_bad is None and any(c not in (None, 0) for c in codes):
+            first_bad, failed_at = next(c for c in codes if c not in (None, 0)), time.monotonic()
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if all(c is not None for c in codes):
+            return first_bad or 0
+        time.sleep(0.1)

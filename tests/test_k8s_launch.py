@@ -157,7 +157,7 @@ def test_first_failed_pod_ends_the_others():
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     t0 = time.monotonic()
-    assert k8s_local.wait_job([sleeper, failing], grace_s=5.0) == 3
+    assert process_plan.wait_all([sleeper, failing], grace_s=5.0) == 3
     assert time.monotonic() - t0 < 30 and sleeper.returncode is not None
 
 

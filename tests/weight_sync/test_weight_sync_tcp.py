@@ -226,38 +226,17 @@ def test_tcp_trainer_stream_dies_mid_bucket_fails_fast_then_repush(served_llama,
 def test_a_burst_of_strangers_neither_blocks_nor_kills_the_listener(tmp_path):
     """Strangers connecting as fast as they can (each holding its connection with a partial header) while
     a worker fetches: every fetch gets through, and the listener still serves when the burst ends."""
+    from flood import strangers
+
     bucket, data = _bucket(tmp_path)
     with stream.BucketServer(timeout_s=5) as server:
         server.add(bucket.index, bucket.path)
-        stop, held = threading.Event(), []
-
-        def flood():
-            while not stop.is_set():
-                try:
-                    held.append(_stranger(server, stream.PREAUTH_MAGIC[:2]))
-                except OSError:
-                    time.sleep(0.001)
-                if len(held) > 2000:
-                    for s in held[:1000]:
-                        s.close()
-                    del held[:1000]
-
-        floods = [threading.Thread(target=flood, daemon=True) for _ in range(3)]
-        for t in floods:
-            t.start()
-        try:
-            time.sleep(0.5)
+        with strangers(server.host, server.port, stream.PREAUTH_MAGIC[:2]):
             for _ in range(20):
                 client = stream.BucketClient(server.address(5.0))
                 assert client.fetch(bucket.index, len(data), _alloc())[0].tobytes() == data
                 client.close()
-        finally:
-            stop.set()
-            for t in floods:
-                t.join(10)
         assert server._accept.is_alive()  # the selector thread survived the burst
-        for s in held:
-            s.close()
         client = stream.BucketClient(server.address(5.0))
         assert client.fetch(bucket.index, len(data), _alloc())[0].tobytes() == data
         client.close()

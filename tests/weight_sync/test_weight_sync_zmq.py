@@ -189,44 +189,17 @@ def test_zmq_pushes_match_transformers(served_llama):
 def test_a_burst_of_strangers_does_not_block_the_zmq_server(tmp_path):
     """Raw connections opened as fast as three threads can (each holding a few bytes of a greeting) while a
     worker fetches: every fetch gets through, and the server still serves when the burst ends."""
-    import socket
-    import threading
-    import time
+    from flood import strangers
 
     (b, data), *_ = _buckets(tmp_path, sizes=(4096,))
     with zmq_stream.ZmqBucketServer(timeout_s=5.0) as server:
         server.add(b.index, b.path)
         host, _, port = server.address(5.0)["endpoint"].removeprefix("tcp://").rpartition(":")
-        stop, held = threading.Event(), []
-
-        def flood():
-            while not stop.is_set():
-                try:
-                    s = socket.create_connection((host, int(port)), timeout=5)
-                    s.sendall(b"\xff\0\0")
-                    held.append(s)
-                except OSError:
-                    time.sleep(0.001)
-                if len(held) > 600:
-                    for s in held[:300]:
-                        s.close()
-                    del held[:300]
-
-        floods = [threading.Thread(target=flood, daemon=True) for _ in range(3)]
-        for t in floods:
-            t.start()
-        try:
-            time.sleep(0.5)
+        with strangers(host, int(port), b"\xff\0\0"):
             for _ in range(20):
                 client = transports.connect(server.address(5.0))
                 assert bytes(client.fetch(b.index, len(data), _alloc)[0]) == data
                 client.close()
-        finally:
-            stop.set()
-            for t in floods:
-                t.join(10)
-            for s in held:
-                s.close()
         client = transports.connect(server.address(5.0))
         assert bytes(client.fetch(b.index, len(data), _alloc)[0]) == data
         client.close()
