@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
+import shlex
 import signal
 import stat
 import subprocess
@@ -36,7 +38,9 @@ def cluster():
     with pytest.MonkeyPatch.context() as mp:
         for key, value in RAY_ENV.items():
             mp.setenv(key, value)
-        head = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        # The dashboard serves `ray job submit` (its job API); port 0: a free one.
+        args = {"num_cpus": 1, "include_dashboard": True, "dashboard_port": 0}
+        head = Cluster(initialize_head=True, head_node_args=args)
         try:
             head.add_node(num_cpus=1)
             head.wait_for_nodes()
@@ -53,6 +57,34 @@ def start(module: str, flags: list[str], args: list[str], **env: str) -> subproc
     cmd = [sys.executable, "-m", module, *flags, "--", *args]
     out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     return subprocess.Popen(cmd, cwd=REPO, env=job_env(**env), **out)
+
+
+def submit_job(cluster, flags: list[str], args: list[str]) -> subprocess.Popen:
+    """`ray job submit` of `python -m rljax.launch --backend=ray` (the entrypoint finds the cluster in the
+    RAY_ADDRESS Ray sets for it): run from the checkout with the venv's full python path, as docs/launch.md
+    says; the job's own environment carries the platform variables."""
+    url = "http://" + cluster.head_node.address_info["webui_url"]
+    variables = " ".join(
+        f"{k}={v}" for k, v in {"JAX_PLATFORMS": "cpu", "RLJAX_PLATFORM": "cpu", **RAY_ENV}.items()
+    )
+    entry = [sys.executable, "-m", "rljax.launch", "--backend=ray", *flags, "--", *args]
+    script = f"cd {shlex.quote(str(REPO))} && env {variables} {shlex.join(entry)}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "job",
+        "submit",
+        "--address",
+        url,
+        "--",
+        "bash",
+        "-c",
+        script,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def metrics(workdir: pathlib.Path) -> list[dict]:
@@ -86,17 +118,16 @@ def wait_for(path: pathlib.Path, text: str, proc: subprocess.Popen, timeout_s: f
 def test_smoke_job_on_two_ray_nodes_matches_the_local_launcher(cluster, arith_server, tmp_path):
     flags = ["--num-processes", "2", "--devices-per-process", "1"]
     runs = {}
-    for name, module, extra in (
-        ("local", "rljax.launch", []),
-        ("ray", "rljax.ray_launch", ["--address", cluster.address]),
-    ):
+    for name in ("local", "ray"):
         workdir = tmp_path / name
         t0 = time.monotonic()
-        proc = start(module, [*extra, *flags], smoke_args(workdir, arith_server, steps=2))
+        args = smoke_args(workdir, arith_server, steps=2)
+        proc = submit_job(cluster, flags, args) if name == "ray" else start("rljax.launch", flags, args)
         out, _ = proc.communicate(timeout=400)
         assert proc.returncode == 0, out[-4000:]
         runs[name] = (workdir, out, time.monotonic() - t0)
     workdir, out, _ = runs["ray"]
+    assert re.search(r"Job 'raysubmit_\w+' succeeded", out), out[-3000:]  # through Ray's job API
     assert "STRICT_SPREAD over 2 nodes" in out, out[-3000:]
     assert "rljax: process 1 of 2, 1 local devices" in (workdir / "logs" / "rank-1.log").read_text()
     assert "[rank 0]" in out  # each process's output reaches the driver too
