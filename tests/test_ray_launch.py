@@ -272,3 +272,30 @@ def test_bad_flags_are_one_line_and_exit_2(argv, line, capsys):
     assert ray_launch.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"rljax: error: {line}") and err.count("\n") == 1, err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_a_rollout_node_serves_the_trainer_over_tcp(cluster, tmp_path):
+    """`--rollout-nodes 1`: a vLLM server as an actor on the second node (rljax.rollout.serve, the node's
+    address, the job's 0600 token), the trainer on the first pushing every version over tcp, verified."""
+    args = [
+        "--config=configs/grpo.py:smoke",
+        f"--workdir={tmp_path}",
+        "--config.trainer.steps=2",
+        "--config.trainer.eval_every=0",
+        "--config.checkpoint.every_steps=100",
+    ]
+    flags = ["--backend=ray", "--address", cluster.address, "--num-processes", "1", "--rollout-nodes", "1"]
+    proc = start("rljax.launch", flags, args)
+    out, _ = proc.communicate(timeout=540)
+    assert proc.returncode == 0, out[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    synced = [r for r in rows if "weight_sync/bytes" in r]
+    assert [int(r["step"]) for r in synced] == [1, 2], rows
+    assert all(r["weight_sync/canary_logprob_max_abs_diff"] <= 1e-3 for r in synced)  # float32 tolerance
+    token = tmp_path / "secrets" / "server_token"
+    assert stat.S_IMODE(os.stat(token).st_mode) == 0o600
+    server_logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("vllm-*.log"))
+    assert "rljax.rollout.auth.BearerTokenMiddleware" in server_logs and token.read_text() not in server_logs
