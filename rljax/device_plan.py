@@ -247,6 +247,13 @@ def local_plan(cfg: Config, environ=os.environ) -> Plan:
     return make_plan(cfg, Machine(gpus_per_node=detect_gpus(environ)))
 
 
+def shared_env(plan: Plan) -> dict[str, str]:
+    """What every trainer process gets where a launcher cannot give each its own environment (Slurm's
+    script, one pod template, Ray): the smallest planned share. Empty on CPU."""
+    shares = [t.memory_fraction for t in plan.trainers if t.memory_fraction is not None]
+    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{min(shares):.2f}"} if shares else {}
+
+
 def owned_server_devices(plan: Plan) -> tuple[int, ...]:
     """The GPUs of node 0's servers in order (`ServerOptions.devices`); () on CPU or for servers elsewhere."""
     if plan.mode not in ("colocated", "split"):

@@ -93,12 +93,6 @@ def plan_json(cfg: config_lib.Config, machine: device_plan.Machine) -> dict:
     return out
 
 
-def job_env(plan: device_plan.Plan) -> dict[str, str]:
-    """What every trainer process of a launcher that cannot set it per process gets: the smallest share."""
-    shares = [t.memory_fraction for t in plan.trainers if t.memory_fraction is not None]
-    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{min(shares):.2f}"} if shares else {}
-
-
 def launch(
     args: list[str],
     num_processes: int,
@@ -229,7 +223,7 @@ def _planned(opts: argparse.Namespace, rest: list[str]) -> int:
         print(json.dumps(out, indent=1))
         return 0
     if opts.plan_env:
-        print("\n".join(f"{k}={v}" for k, v in job_env(plan).items()))
+        print("\n".join(f"{k}={v}" for k, v in device_plan.shared_env(plan).items()))
         return 0
     if opts.nodes != 1 or opts.rollout_nodes:
         print("rljax: error: --nodes/--rollout-nodes: the local launcher runs one node", file=sys.stderr)

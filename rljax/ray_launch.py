@@ -18,13 +18,15 @@ import argparse
 import os
 import secrets
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 
+from rljax import device_plan
+from rljax.config import ConfigError
 from rljax.process_plan import process_envs, wait_healthy, workdir_of
+from rljax.ray_runner import ProcessRunner
+from rljax.runtime import config_from_args
 
 PLACEMENT_TIMEOUT_S = 120.0  # a bundle Ray cannot place within this is a job that cannot start
 HEALTH_TIMEOUT_S = 600.0  # a rollout server's start (vLLM loads the model and compiles), as gpu_slurm.sh
@@ -41,60 +43,6 @@ class LaunchError(Exception):
 
     def __init__(self, flag: str, message: str):
         super().__init__(f"{flag}: {message}")
-
-
-# ------------------------------------------------------------------------- the actor (one per bundle)
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the actor's process dies (ray.kill, SIGKILL): none outlives its actor."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG (linux/prctl.h)
-
-
-class ProcessRunner:
-    """One command on one node, a Ray actor (`ray.remote(ProcessRunner)`). Every method returns at once,
-    so the actor runs them in turn on its main thread (whose death the child's PDEATHSIG watches)."""
-
-    def __init__(self, name: str):
-        self._name = name
-        self._proc: subprocess.Popen | None = None
-
-    def node_ip(self) -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
-
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind((self.node_ip(), 0))
-            return s.getsockname()[1]
-
-    def start(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str | None) -> int:
-        """Starts `argv` with this node's environment updated by `env`; returns its pid."""
-        env, out = (
-            {**os.environ, **env},
-            {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True},
-        )
-        self._proc = subprocess.Popen(argv, cwd=cwd, env=env, preexec_fn=_die_with_parent, **out)
-        threading.Thread(target=self._pump, args=(log_path,), daemon=True).start()
-        return self._proc.pid
-
-    def _pump(self, log_path: str | None) -> None:
-        if log_path:
-            os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        with open(log_path or os.devnull, "a", buffering=1) as log:
-            for line in self._proc.stdout:
-                print(f"[{self._name}] {line}", end="", flush=True)  # Ray forwards it to the driver
-                log.write(line)
-
-    def poll(self) -> int | None:
-        """The exit code (128 + N for signal N), or None while it runs."""
-        code = self._proc.poll()
-        return code if code is None or code >= 0 else 128 - code
-
-    def send_signal(self, signum: int) -> None:
-        self._proc.send_signal(signum)  # nothing once it has exited (Popen polls first)
 
 
 # ------------------------------------------------------------------------------- the plan, as values
@@ -280,7 +228,7 @@ def _run_actors(actors: list, args: list[str], opts: argparse.Namespace) -> int:
         _say(f"error: {e}")
         return 1
     port = ray.get(actors[0].free_port.remote())
-    envs = trainer_envs(n, opts.devices_per_process, ips[0], port, job_env(dict(os.environ)))
+    envs = trainer_envs(n, opts.devices_per_process, ips[0], port, job_env(dict(os.environ)) | opts.gpu_env)
     for i, (actor, env) in enumerate(zip(actors[:n], envs, strict=True)):
         log = os.path.join(workdir, "logs", f"rank-{i}.log") if workdir else None
         ray.get(actor.start.remote([opts.python, "-m", "rljax.main", *args, *extra], env, os.getcwd(), log))
@@ -334,6 +282,7 @@ def run(
     opts.rollout_nodes, opts.placement_timeout_s = rollout_nodes, placement_timeout_s
     opts.python = python or sys.executable
     _check(args, opts)
+    opts.gpu_env = _planned(args, opts)
     try:
         ray.init(address=address, log_to_driver=True)
     except (ConnectionError, ValueError) as e:
@@ -355,6 +304,21 @@ def _check(args: list[str], opts: argparse.Namespace) -> None:
         raise LaunchError("--", "give the rljax.main arguments after --, e.g. -- --config=configs/grpo.py")
     if opts.rollout_nodes and not workdir_of(args):
         raise LaunchError("--rollout-nodes", "needs --workdir in the rljax.main arguments (the token's home)")
+
+
+def _planned(args: list[str], opts: argparse.Namespace) -> dict[str, str]:
+    """On GPU, the device plan's trainer share (`rljax.device_plan`; a process per bundle of K GPUs, rollout
+    servers on nodes of their own), unless set: what Slurm and the Kubernetes pods get for the same job."""
+    if os.environ.get("RLJAX_PLATFORM") != "gpu" or "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ:
+        return {}
+    n, r = opts.num_processes, opts.rollout_nodes
+    try:
+        plan = device_plan.make_plan(
+            config_from_args(args), device_plan.Machine(opts.devices_per_process or 1, n + r, r, "node")
+        )
+    except ConfigError as e:
+        raise LaunchError(f"config: {e.args[0] if e.args else e}", "no device plan fits") from None
+    return device_plan.shared_env(plan)
 
 
 # ------------------------------------------------------------------------------------------------ CLI

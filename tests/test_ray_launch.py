@@ -299,3 +299,29 @@ def test_a_rollout_node_serves_the_trainer_over_tcp(cluster, tmp_path):
     assert stat.S_IMODE(os.stat(token).st_mode) == 0o600
     server_logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("vllm-*.log"))
     assert "rljax.rollout.auth.BearerTokenMiddleware" in server_logs and token.read_text() not in server_logs
+
+
+def test_gpu_jobs_get_the_device_plans_share_as_on_the_other_launchers(monkeypatch):
+    """On GPUs every Ray trainer gets the trainer share the device plan gives the same job on Slurm and
+    Kubernetes (a process per bundle of K GPUs, rollout servers on nodes of their own)."""
+    import argparse
+
+    from rljax import device_plan
+    from rljax.runtime import config_from_args
+
+    args = ["--config=configs/grpo.py", "--config.rollout.vllm.tensor_parallel_size=8"]
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setenv("RLJAX_PLATFORM", "gpu")
+    for rollout_nodes, share in ((0, "0.80"), (1, "0.90")):
+        opts = argparse.Namespace(num_processes=2, devices_per_process=8, rollout_nodes=rollout_nodes)
+        machine = device_plan.Machine(8, 2 + rollout_nodes, rollout_nodes, "node")
+        expected = device_plan.shared_env(device_plan.make_plan(config_from_args(args), machine))
+        assert ray_launch._planned(args, opts) == expected == {"XLA_PYTHON_CLIENT_MEM_FRACTION": share}
+    bad = [*args, "--config.rollout.vllm.gpu_memory_utilization=0.9"]
+    with pytest.raises(ray_launch.LaunchError, match="config: rollout.vllm.gpu_memory_utilization"):
+        ray_launch._planned(bad, argparse.Namespace(num_processes=1, devices_per_process=8, rollout_nodes=0))
+    monkeypatch.setenv("RLJAX_PLATFORM", "cpu")
+    assert (
+        ray_launch._planned(bad, argparse.Namespace(num_processes=1, devices_per_process=8, rollout_nodes=0))
+        == {}
+    )
