@@ -44,6 +44,11 @@ MODELS = {
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
         num_kv_heads=2, head_dim=64, tie_word_embeddings=True, rope_theta=1000000.0,
     ),
+    # Qwen2.5-1.5B's config.json (hidden 1536, 28 layers, 12 query / 2 KV heads of 128, MLP 8960, tied).
+    "qwen2.5-1.5b": dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+        num_kv_heads=2, head_dim=128, tie_word_embeddings=True, rope_theta=1000000.0,
+    ),
 }  # fmt: skip
 
 # Peak dense bf16 FLOP/s by `device_kind` substring (NVIDIA datasheets, SXM parts, without sparsity).

@@ -10,7 +10,8 @@
 #            parity), one line per failure, each test capped at 60 s (pytest-timeout is in the image)
 #   logprobs rljax.kernels.bench_logprobs, Qwen2.5-7B's head: N=8192 d=3584 V=152064 bf16, fwd+bwd, entropy,
 #            xla / triton against reference in the same run (time, compiled temp memory, error)
-#   train    benchmarks/bench_train_step.py on the Qwen2.5-0.5B shape, bf16, 16 x 1024 tokens (tokens/s, MFU)
+#   train    benchmarks/bench_train_step.py on the Qwen2.5-1.5B shape, bf16, 8 x 1024 tokens (tokens/s, MFU;
+#            1.54B parameters: f32 masters and Adam ~25 GB, activations without remat ~24 GB)
 #   attention benchmarks/bench_attention.py: cudnn vs blockwise at 2 x 4096 tokens, 28/4 heads of 128, bf16
 #   plan     benchmarks/check_memory_share.py: JAX's pool on GPU 0 is the share the device plan gives the
 #            trainer beside a colocated server (XLA_PYTHON_CLIENT_MEM_FRACTION; rljax.device_plan)
@@ -99,7 +100,7 @@ step tests 170 "$PY" -m pytest -q -p no:cacheprovider -m gpu --tb=line -rfE --ti
     "$REPO/tests/kernels/test_kernels.py" "$REPO/tests/kernels/test_kernels_sharded.py" "$REPO/tests/models/test_attention.py"
 step logprobs 90 "$PY" -m rljax.kernels.bench_logprobs --n 8192 --d 3584 --v 152064 --dtype bfloat16 \
     --entropy --impls xla,triton --repeats 3 --json "$PARTS/logprobs.json"
-step train 110 "$PY" "$REPO/benchmarks/bench_train_step.py" --model qwen2.5-0.5b --rows 16 --length 1024 \
+step train 110 "$PY" "$REPO/benchmarks/bench_train_step.py" --model qwen2.5-1.5b --rows 8 --length 1024 \
     --compute-dtype bfloat16 --remat none --iters 3 --json "$PARTS/train_step.json"
 step attention 50 "$PY" "$REPO/benchmarks/bench_attention.py" --impls cudnn,blockwise --batch 2 --length 4096 \
     --heads 28 --kv-heads 4 --head-dim 128 --dtype bfloat16 --iters 5 --json "$PARTS/attention.json"

@@ -59,6 +59,10 @@ def test_model_flops_per_token_by_hand():
     mc = models.ModelConfig(family="qwen2", attention_bias=True, **bench_train_step.MODELS["qwen2.5-0.5b"])
     params = models.abstract_params(mc)
     assert sum(x.size for x in jax.tree.leaves(params)) == 494_032_768
+    big = models.ModelConfig(family="qwen2", attention_bias=True, **bench_train_step.MODELS["qwen2.5-1.5b"])
+    assert (
+        sum(x.size for x in jax.tree.leaves(models.abstract_params(big))) == 1_543_714_304
+    )  # the GPU check's
     assert bench_train_step.flops_per_token(mc, params, 1024) == 6 * 494_032_768 + 12 * 24 * 14 * 64 * 1024
     untied = models.ModelConfig(family="qwen2", **bench_train_step.MODELS["small"])
     p = models.abstract_params(untied)
