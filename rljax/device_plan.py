@@ -2,8 +2,9 @@
 
 `make_plan(cfg, Machine(gpus_per_node, nodes, rollout_nodes, process_per))` -> `Plan`, from the config and
 the machine alone (no JAX, no device touched). Every launcher uses it: the local one (`rljax.launch --gpus`),
-Slurm (`launch/gpu_slurm.sh` reads `rljax.launch --plan`), a single `python -m rljax.main` on a GPU box
-(`trainer_env` before JAX starts, `server_devices` for the servers the leader owns).
+Slurm (`launch/gpu_slurm.sh` reads `rljax.launch --plan-env`), Kubernetes and Ray (`shared_env`), a single
+`python -m rljax.main` on a GPU box (`planned_trainer_env` before JAX starts, `owned_server_devices` for the
+servers the leader owns).
 `python -m rljax.launch --plan --gpus=N [--nodes=M] [--rollout-nodes=K] -- <rljax.main args>` prints it.
 
 Modes (G = gpus_per_node; k = tensor_parallel_size x data_parallel_size, the GPUs of one server):
@@ -266,7 +267,4 @@ def planned_trainer_env(cfg: Config, environ=os.environ) -> dict[str, str]:
     launcher sets it for each process it starts. Empty on CPU. ConfigError when no plan fits this node."""
     plan = local_plan(cfg, environ)
     launched = "XLA_PYTHON_CLIENT_MEM_FRACTION" in environ or environ.get("RLJAX_PROCESS_ID") is not None
-    if plan.mode == "cpu" or launched:
-        return {}
-    share = min(t.memory_fraction for t in plan.trainers)
-    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{share:.2f}"}
+    return {} if launched else shared_env(plan)

@@ -18,10 +18,10 @@ import argparse
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
 
+from rljax import process_plan
 from rljax.config import ConfigError
 from rljax.k8s_local import run_local
 from rljax.k8s_render import K8sJob, render, workdir_of, write
@@ -70,12 +70,6 @@ def _selector(items: list[str]) -> tuple[tuple[str, str], ...]:
     return pairs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def parse(ours: list[str], args: list[str]) -> tuple[K8sJob, argparse.Namespace]:
     """The job the flags `ours` describe for the rljax.main `args`; ConfigError naming the bad flag."""
     o = _parser().parse_args(ours)
@@ -103,7 +97,7 @@ def parse(ours: list[str], args: list[str]) -> tuple[K8sJob, argparse.Namespace]
         )
     if not (o.render or o.local):
         raise ConfigError("--render", "a directory for the manifests (or --local to rehearse)")
-    port = o.port or (_free_port() if o.local else 8476)
+    port = o.port or (process_plan.free_port() if o.local else 8476)
     python = o.python or (sys.executable if o.local else "python")
     job = K8sJob(
         o.name, o.num_processes, o.devices_per_process, o.gpus_per_pod, o.image, o.pvc,

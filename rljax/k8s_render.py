@@ -28,10 +28,10 @@ from __future__ import annotations
 import base64
 import dataclasses
 import os
-import secrets
 
 from rljax import device_plan, k8s_yaml, process_plan
 from rljax.config import ConfigError
+from rljax.rollout import auth
 from rljax.runtime import config_from_args
 
 INDEX_FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -81,17 +81,11 @@ def rollout_urls(job: K8sJob) -> list[str]:
 
 
 def rollout_args(job: K8sJob) -> list[str]:
-    """The trainer's overrides for the job's rollout servers (launch/gpu_slurm.sh's ROLLOUT_ARGS)."""
+    """The trainer's overrides for the job's rollout servers (launch/gpu_slurm.sh's ROLLOUT_ARGS); tcp
+    weight sync served on `$(POD_IP)`, which Kubernetes expands to each pod's own IP."""
     if not job.rollout_servers:
         return []
-    urls = ",".join(f"'{u}'" for u in rollout_urls(job))
-    return [
-        f"--config.rollout.vllm.urls=({urls},)",
-        f"--config.rollout.vllm.token_file={TOKEN_PATH}",
-        "--config.rollout.vllm.allow_remote=true",
-        "--config.rollout.weight_sync.transport=tcp",
-        "--config.rollout.weight_sync.tcp_host=$(POD_IP)",  # expanded by Kubernetes: each pod's own IP
-    ]
+    return process_plan.rollout_overrides(rollout_urls(job), TOKEN_PATH, "$(POD_IP)")
 
 
 def make_plan(args: list[str], job: K8sJob) -> device_plan.Plan | None:
@@ -204,8 +198,7 @@ def trainer_job(args: list[str], job: K8sJob, env: list[dict], gpus: int) -> dic
 
 def rollout_job(args: list[str], job: K8sJob, gpus: int) -> dict:
     volumes, mounts = _volumes(job, workdir_of(args))
-    serve = [job.python, "-m", "rljax.rollout.serve", "--host", "$(POD_IP)", "--port", str(ROLLOUT_PORT)]
-    command = [*serve, "--token-file", TOKEN_PATH, "--", *args]
+    command = process_plan.serve_argv(job.python, "$(POD_IP)", ROLLOUT_PORT, TOKEN_PATH, args)
     env = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -218,7 +211,7 @@ def rollout_job(args: list[str], job: K8sJob, gpus: int) -> dict:
 
 
 def token_secret(job: K8sJob) -> dict:
-    token = secrets.token_urlsafe(32)  # 256 random bits, as rljax.rollout.auth.new_token
+    token = auth.new_token()
     return {
         "apiVersion": "v1",
         "kind": "Secret",

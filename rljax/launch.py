@@ -35,18 +35,22 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 
 from rljax import config as config_lib
 from rljax import device_plan
-from rljax.process_plan import process_envs, wait_all, wait_healthy, workdir_of
+from rljax.process_plan import (
+    FORWARDED_SIGNALS,
+    KILL_GRACE_S,
+    free_port,
+    process_envs,
+    wait_all,
+    wait_healthy,
+    workdir_of,
+)
 from rljax.runtime import config_from_args
-
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-KILL_GRACE_S = 30.0  # after a failure, time the others get to exit on SIGTERM before SIGKILL
 
 
 def lookup(cfg: config_lib.Config, key: str):
@@ -61,12 +65,6 @@ def lookup(cfg: config_lib.Config, key: str):
     return value
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pump(proc: subprocess.Popen, rank: int, log_path: str | None) -> None:
     log = open(log_path, "a") if log_path else None
     for line in proc.stdout:
@@ -79,12 +77,11 @@ def _pump(proc: subprocess.Popen, rank: int, log_path: str | None) -> None:
         log.close()
 
 
-def plan_json(cfg: config_lib.Config, machine: device_plan.Machine) -> dict:
-    """The plan of `cfg` on `machine` with each server's argv and environment (ports 8000 + i stand for the
-    ones they take). ConfigError when none fits."""
+def plan_json(cfg: config_lib.Config, plan: device_plan.Plan) -> dict:
+    """`plan` (of `cfg`) with each server's argv and environment (ports 8000 + i stand for the ones they
+    take)."""
     from rljax.rollout.server import options_from_config, server_command
 
-    plan = device_plan.make_plan(cfg, machine)
     out = plan.to_json()
     for i, (entry, server) in enumerate(zip(out["servers"], plan.servers, strict=True)):
         options = options_from_config(cfg, devices=server.devices, cpu_build=plan.mode == "cpu")
@@ -214,13 +211,12 @@ def _planned(opts: argparse.Namespace, rest: list[str]) -> int:
     machine = device_plan.Machine(opts.gpus, opts.nodes, opts.rollout_nodes, opts.process_per)
     try:
         cfg = config_from_args(rest)
-        out = plan_json(cfg, machine)
         plan = device_plan.make_plan(cfg, machine)
     except config_lib.ConfigError as e:
         print(f"rljax: error: config: {e}", file=sys.stderr)
         return 2
     if opts.plan:
-        print(json.dumps(out, indent=1))
+        print(json.dumps(plan_json(cfg, plan), indent=1))
         return 0
     if opts.plan_env:
         print("\n".join(f"{k}={v}" for k, v in device_plan.shared_env(plan).items()))

@@ -2,15 +2,29 @@
 
 `process_envs(n, devices_per_process, port, base, host)` is what the local launcher (`rljax.launch`), the
 Kubernetes manifests (`rljax.k8s_render`) and the Ray actors (`rljax.ray_launch`) give their processes, so
-the three start the same job; Slurm's script sets the same variables itself (`launch/gpu_slurm.sh`).
+the three start the same job; Slurm's script sets the same variables itself (`launch/gpu_slurm.sh`). A
+rollout server on a node of its own is `serve_argv`, and the trainer's overrides for such servers are
+`rollout_overrides` (gpu_slurm.sh's ROLLOUT_ARGS), for Ray and Kubernetes alike.
 """
 
 from __future__ import annotations
 
+import signal
+import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # to every process of a job
+KILL_GRACE_S = 30.0  # after a failure, time the others get to exit on SIGTERM before SIGKILL
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def process_envs(
@@ -53,6 +67,26 @@ def workdir_of(args: list[str]) -> str | None:
         if arg == "--workdir" and i + 1 < len(args):
             return args[i + 1]
     return None
+
+
+def serve_argv(
+    python: str, host: str, port: int | str, token_file: str, trainer_args: list[str]
+) -> list[str]:
+    """A rollout server for the trainer's args on `host` (a node's private address, never a wildcard)."""
+    serve = [python, "-m", "rljax.rollout.serve", "--host", host, "--port", str(port)]
+    return [*serve, "--token-file", token_file, "--", *trainer_args]
+
+
+def rollout_overrides(server_urls: list[str], token_file: str, tcp_host: str) -> list[str]:
+    """The trainer's overrides for servers at `server_urls`: their token file, remote servers allowed, tcp
+    weight sync served on `tcp_host` (each trainer host's address, comma-separated)."""
+    return [
+        f"--config.rollout.vllm.urls=({''.join(repr(u) + ',' for u in server_urls)})",
+        f"--config.rollout.vllm.token_file={token_file}",
+        "--config.rollout.vllm.allow_remote=true",
+        "--config.rollout.weight_sync.transport=tcp",
+        f"--config.rollout.weight_sync.tcp_host={tcp_host}",
+    ]
 
 
 def wait_healthy(url: str, timeout_s: float, poll_s: float = 2.0) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import signal
 import sys
 import threading
@@ -24,16 +23,23 @@ import time
 
 from rljax import device_plan
 from rljax.config import ConfigError
-from rljax.process_plan import process_envs, wait_healthy, workdir_of
+from rljax.process_plan import (
+    FORWARDED_SIGNALS,
+    KILL_GRACE_S,
+    process_envs,
+    rollout_overrides,
+    serve_argv,
+    wait_healthy,
+    workdir_of,
+)
 from rljax.ray_runner import ProcessRunner
+from rljax.rollout import auth
 from rljax.runtime import config_from_args
 
 PLACEMENT_TIMEOUT_S = 120.0  # a bundle Ray cannot place within this is a job that cannot start
 HEALTH_TIMEOUT_S = 600.0  # a rollout server's start (vLLM loads the model and compiles), as gpu_slurm.sh
-KILL_GRACE_S = 30.0  # after a failure, time the others get to exit on SIGTERM before SIGKILL (rljax.launch)
 POLL_S = 0.5
 ACTOR_LOST_EXIT_CODE = 1  # a runner's actor died (ray.kill, its worker or node lost): no exit code to report
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # The job's variables, from the driver to every process; each node's environment supplies the rest.
 JOB_ENV_PREFIXES = ("RLJAX_", "JAX_", "XLA_", "VLLM_", "HF_", "WANDB_", "TF_CPP_")
 
@@ -80,30 +86,13 @@ def new_token_file(workdir: str) -> str:
     directory = os.path.join(workdir, "secrets")
     os.makedirs(directory, mode=0o700, exist_ok=True)
     os.chmod(directory, 0o700)  # an existing directory too: the token is readable by this user only
-    path = os.path.join(directory, "server_token")
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(secrets.token_urlsafe(32))
-    os.replace(tmp, path)
-    return path
-
-
-def server_argv(python: str, host: str, port: int, token_file: str, trainer_args: list[str]) -> list[str]:
-    """A rollout server on `host` (a node's private address, never a wildcard) for the trainer's args."""
-    serve = [python, "-m", "rljax.rollout.serve", "--host", host, "--port", str(port)]
-    return [*serve, "--token-file", token_file, "--", *trainer_args]
+    return auth.write_token_file(os.path.join(directory, "server_token"), auth.new_token())
 
 
 def rollout_args(server_urls: list[str], token_file: str, trainer_ips: list[str]) -> list[str]:
-    """The trainer's overrides for servers at `server_urls`: the token, tcp weight sync served on each
-    trainer node's address (one per host, in rank order)."""
-    return [
-        f"--config.rollout.vllm.urls=({''.join(repr(u) + ',' for u in server_urls)})",
-        f"--config.rollout.vllm.token_file={token_file}",
-        "--config.rollout.vllm.allow_remote=true",
-        "--config.rollout.weight_sync.transport=tcp",
-        f"--config.rollout.weight_sync.tcp_host={','.join(dict.fromkeys(trainer_ips))}",
-    ]
+    """The trainer's overrides for servers at `server_urls`, tcp weight sync served on each trainer node's
+    address (one per host, in rank order)."""
+    return rollout_overrides(server_urls, token_file, ",".join(dict.fromkeys(trainer_ips)))
 
 
 # ------------------------------------------------------------------------------------------ the driver
@@ -204,7 +193,7 @@ def _start_servers(servers: list, ips: list[str], python: str, workdir: str, arg
     urls = [f"http://{ip}:{port}" for ip, port in zip(server_ips, ports, strict=True)]
     extra = rollout_args(urls, token_file, ips[: -len(servers)])
     for j, (server, ip, port) in enumerate(zip(servers, server_ips, ports, strict=True)):
-        argv = server_argv(python, ip, port, token_file, [*args, *extra])
+        argv = serve_argv(python, ip, port, token_file, [*args, *extra])
         log = os.path.join(workdir, "logs", f"vllm-{j}.log")
         ray.get(server.start.remote(argv, job_env(dict(os.environ)), os.getcwd(), log))
     for j, (server, url) in enumerate(zip(servers, urls, strict=True)):

@@ -66,6 +66,8 @@ HOST_MODULES = (
     "rljax/envs",
     "rljax/preflight.py",
     "rljax/launch.py",
+    "rljax/ray_launch.py",  # launchers like rljax.launch: the job's token (rljax.rollout.auth)
+    "rljax/k8s_render.py",
     "rljax/replay.py",
     "rljax/eval.py",  # an entry point that serves a model and grades it, like the loop's evaluation
 )

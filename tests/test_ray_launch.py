@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from rljax import launch, ray_launch
+from rljax import launch, process_plan, ray_launch
 
 ray = pytest.importorskip("ray")
 
@@ -229,7 +229,7 @@ def test_rollout_nodes_get_private_addresses_a_token_and_tcp_weight_sync(tmp_pat
     base = ["--config=configs/grpo.py", "--workdir=/w"]
     cfg = launch.config_from_args([*base, *extra])  # the trainer's config accepts them
     assert cfg.rollout.vllm.urls == tuple(urls) and cfg.rollout.weight_sync.transport == "tcp"
-    argv = ray_launch.server_argv("/venv/bin/python", "10.0.0.3", 8000, token, [*base, *extra])
+    argv = process_plan.serve_argv("/venv/bin/python", "10.0.0.3", 8000, token, [*base, *extra])
     assert argv[:9] == ["/venv/bin/python", "-m", "rljax.rollout.serve", "--host", "10.0.0.3"] + [
         "--port",
         "8000",
