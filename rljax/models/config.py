@@ -18,6 +18,8 @@ from rljax.registry import Registry
 FAMILIES: Registry[FamilySpec] = Registry("model family")
 ROPE_TYPES: Registry[Any] = Registry("rope type")
 DTYPES = ("float32", "bfloat16", "float16")
+# The attention and MLP projections of the built-in decoder (also their Hugging Face module names).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,11 @@ class ModelConfig:
     # The decoder class: "" (the built-in one of `family`), a name in rljax.models.DECODERS, or
     # "package.module:Class" (bring your own model; docs/models.md).
     decoder: str = ""
+    # LoRA (rljax.models.lora): rank 0 is full fine-tuning (no adapter params). Targets are module-name
+    # patterns (regexes matched against the module's last name or its whole path, e.g. `layers/q_proj`).
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
     hf_config_json: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):

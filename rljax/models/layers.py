@@ -6,6 +6,8 @@ in float32; matmuls in the compute dtype with float32 accumulation where the res
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -91,3 +93,16 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
     )
     start_idx = jax.lax.cummax(jnp.where(starts, t[None, :], 0), axis=1)
     return t[None, :] - start_idx
+
+
+def lora_weight_delta(a: jax.Array, b: jax.Array, stack_dims: int = 0) -> jax.Array:
+    """`A @ B` of a LoRA pair in the kernel's layout, float32: A `[*S, *in, r]`, B `[*S, r, *out]` ->
+    `[*S, *in, *out]` (`S`: `stack_dims` leading layer axes).
+
+    References: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models" (arXiv:2106.09685).
+    """
+    stack, in_shape, out_shape = a.shape[:stack_dims], a.shape[stack_dims:-1], b.shape[stack_dims + 1 :]
+    a2 = a.reshape(*stack, math.prod(in_shape), a.shape[-1]).astype(jnp.float32)
+    b2 = b.reshape(*stack, b.shape[stack_dims], math.prod(out_shape)).astype(jnp.float32)
+    delta = jnp.matmul(a2, b2, precision=jax.lax.Precision.HIGHEST)
+    return delta.reshape(*stack, *in_shape, *out_shape)

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from rljax.models import layers
+from rljax.models import adapters, layers
 from rljax.models.config import ModelConfig
 from rljax.models.decoder import Decoder
-from rljax.models.params import ParamEntry, bind_table, nest_paths
+from rljax.models.params import ParamEntry, bind_table, flatten_paths, nest_paths
 from rljax.registry import Registry
 from rljax.sharding import LogicalAxes
 
@@ -63,10 +63,16 @@ def decoder_class(config: ModelConfig) -> type:
     return resolve_decoder(config.decoder or config.family)
 
 
+def _construct(config: ModelConfig, rngs: nnx.Rngs, **kwargs: Any) -> nnx.Module:
+    """A fresh decoder of `config`, with LoRA adapters when `config.lora_rank > 0`."""
+    model = decoder_class(config)(config, rngs=rngs, **kwargs)
+    return adapters.attach_adapters(model, config, rngs) if config.lora_rank else model
+
+
 @functools.lru_cache(maxsize=64)
 def _template(config: ModelConfig) -> tuple[Any, dict, dict]:
     """(graphdef, abstract params, logical axes) of the decoder, from `nnx.eval_shape` (no weights)."""
-    model = nnx.eval_shape(lambda: decoder_class(config)(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: _construct(config, nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     axes = []
     for path, var in nnx.to_flat_state(state):
@@ -80,7 +86,7 @@ def build_model(config: ModelConfig, *, rngs: nnx.Rngs | None = None, params: An
     tracers inside jit), else freshly initialised from `rngs` (default `nnx.Rngs(0)`)."""
     if params is not None:
         return nnx.merge(_template(config)[0], params)
-    return decoder_class(config)(config, rngs=rngs or nnx.Rngs(0))
+    return _construct(config, rngs or nnx.Rngs(0))
 
 
 def abstract_params(config: ModelConfig) -> dict:
@@ -95,14 +101,16 @@ def param_logical_axes(config: ModelConfig) -> dict:
 
 
 def param_entries(config: ModelConfig) -> list[ParamEntry]:
-    """The decoder's HF mapping table bound to its param shapes, in Hugging Face state-dict order."""
+    """The decoder's HF mapping table bound to its param shapes, in Hugging Face state-dict order (the
+    base model's: LoRA adapters are not HF tensors, `rljax.models.lora.peft_tensors` names them)."""
     rows = decoder_class(config).hf_table(config)
-    return bind_table(rows, _template(config)[1], config.num_layers)
+    pairs = [(p, x) for p, x in flatten_paths(_template(config)[1]) if not adapters.is_adapter_path(p)]
+    return bind_table(rows, nest_paths(pairs), config.num_layers)
 
 
 def init_params(config: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
     """Random params from the module's initialisers: weights ~ N(0, std^2), norm scales 1, biases 0."""
-    model = decoder_class(config)(config, rngs=nnx.Rngs(params=key), init_std=std)
+    model = _construct(config, nnx.Rngs(params=key), init_std=std)
     return nnx.to_pure_dict(nnx.state(model))
 
 

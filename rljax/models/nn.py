@@ -95,10 +95,50 @@ class Dense(nnx.Module):
         )
         self.bias = param(jnp.zeros(b_shape, dtype), b_axes) if bias_dims else None
         self.equation = equation
+        # LoRA (`rljax.models.adapters.attach_adapters` sets these): `kernel_lora_a [*stack, *in, r]`,
+        # `kernel_lora_b [*stack, r, *out]`, applied to the activations (see `__call__`).
+        self.kernel_lora_a = self.kernel_lora_b = None
+        self.lora_scale = 0.0
+
+    @property
+    def input_dims(self) -> int:
+        """How many leading kernel dims `x` contracts with (the rest are output dims)."""
+        return len(lora_equations(self.equation)[2])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.einsum(self.equation, x, self.kernel[...].astype(x.dtype))
-        return y if self.bias is None else y + self.bias[...].astype(x.dtype)
+        y = y if self.bias is None else y + self.bias[...].astype(x.dtype)
+        if self.kernel_lora_a is None:
+            return y
+        # y + scale * (x A) B, as PEFT and vLLM compute it: the adapter never rounds into W (bf16-safe).
+        eq_a, eq_b, _ = lora_equations(self.equation)
+        xa = jnp.einsum(eq_a, x, self.kernel_lora_a[...].astype(x.dtype))
+        return y + self.lora_scale * jnp.einsum(eq_b, xa, self.kernel_lora_b[...].astype(x.dtype))
+
+
+def lora_equations(equation: str) -> tuple[str, str, str]:
+    """(x -> x A, x A -> x A B, the kernel's input subscripts) for a Dense `equation` whose kernel lists
+    its input dims first (e.g. "btd,dnk->btnk": A `[d, r]`, B `[r, n, k]`)."""
+    lhs, out = equation.split("->")
+    x_subs, k_subs = lhs.split(",")
+    rank = next(c for c in "rqzyxwvu" if c not in equation)
+    in_subs = "".join(c for c in k_subs if c in x_subs)
+    if not k_subs.startswith(in_subs):
+        raise ValueError(f"Dense {equation!r}: LoRA needs the kernel's input dims first")
+    batch = "".join(c for c in x_subs if c not in k_subs)
+    out_subs = k_subs[len(in_subs) :]
+    return f"{x_subs},{in_subs}{rank}->{batch}{rank}", f"{batch}{rank},{rank}{out_subs}->{out}", in_subs
+
+
+def merge_weight_adapters(module: nnx.Module) -> None:
+    """In place, on one layer's module (inside the scan body): every non-`Dense` submodule that carries
+    `kernel_lora_a/b` (a bring-your-own decoder's own projections) gets `kernel + scale * A B`."""
+    for _, sub in nnx.iter_modules(module):
+        if isinstance(sub, Dense) or getattr(sub, "kernel_lora_a", None) is None:
+            continue
+        kernel = sub.kernel[...]
+        delta = layers.lora_weight_delta(sub.kernel_lora_a[...], sub.kernel_lora_b[...])
+        sub.kernel.set_value((kernel.astype(jnp.float32) + sub.lora_scale * delta).astype(kernel.dtype))
 
 
 def constrainer(mesh: Mesh | None) -> Constrain:
@@ -139,7 +179,10 @@ def scan_layers(config: ModelConfig, stack: nnx.Module, step: Callable, x: Any, 
 
     def body(carry, inputs):
         layer_state, xs_l = inputs
-        return step(nnx.merge(graphdef, layer_state), carry, xs_l)
+        layer = nnx.merge(graphdef, layer_state)
+        if config.lora_rank:
+            merge_weight_adapters(layer)
+        return step(layer, carry, xs_l)
 
     scanned = (nnx.to_pure_dict(state), xs)
     return jax.lax.scan(remat_layer(config.remat, body), x, scanned, unroll=layer_unroll(config))
