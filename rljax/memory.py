@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from rljax import models
 from rljax.algos import FAMILIES
 from rljax.config import Config
+from rljax.models import lora
 from rljax.trainer.batch import TrainBatch
 from rljax.trainer.families import make_family_train_step
 from rljax.trainer.logprobs import make_logprob_fn
@@ -41,6 +42,8 @@ from rljax.trainer.packing import packed_row_length
 from rljax.trainer.state import (
     TrainState,
     abstract_critic,
+    abstract_trainable,
+    base_shardings,
     batch_sharding,
     resolve_model_config,
     state_shardings,
@@ -137,9 +140,21 @@ def abstract_train_state(
         )
 
     abstract = jax.eval_shape(
-        init, models.abstract_params(resolved), abstract_critic(resolved) if critic else None
+        init, abstract_trainable(resolved), abstract_critic(resolved) if critic else None
     )
     return with_shardings(abstract, state_shardings(resolved, mesh, optimizer, critic=critic))
+
+
+def abstract_lora_base(cfg: Config, model_config: models.ModelConfig, mesh: Mesh) -> Any:
+    """The frozen base of a LoRA run (`cfg.model.lora_rank > 0`) as ShapeDtypeStructs in the compute
+    dtype with their shardings (what `rljax.loop.setup.load_policy` holds), else None."""
+    resolved = resolve_model_config(cfg, model_config)
+    if not resolved.lora_rank:
+        return None
+    dtype = jnp.dtype(cfg.model.compute_dtype)
+    base = lora.split_params(models.abstract_params(resolved))[0]
+    base = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), base)
+    return with_shardings(base, base_shardings(resolved, mesh))
 
 
 def abstract_loss_inputs(cfg: Config, rows: int, seq_len: int, mesh: Mesh) -> LossInputs:
@@ -232,19 +247,22 @@ def compiled_train_memory(
     """
     optimizer = make_optimizer(cfg.optim, total_optimizer_steps(cfg))
     state = abstract_train_state(cfg, model_config, mesh, optimizer)
+    base = abstract_lora_base(cfg, model_config, mesh)  # LoRA: an argument of every function
+    extra, policy = ((), state.params) if base is None else ((base,), lora.combine(base, state.params))
     full = abstract_train_batch(cfg, shapes.rows, shapes.seq_len, mesh)
     minibatch = abstract_train_batch(cfg, shapes.train_rows, shapes.seq_len, mesh)
-    ref = device_bytes(state.params) if cfg.algo.needs_reference else 0
+    # LoRA: the reference is the base (already an argument), no second copy.
+    ref = device_bytes(state.params) if cfg.algo.needs_reference and base is None else 0
     batch_held = device_bytes(full) if shapes.train_rows < shapes.rows else 0
     others = device_bytes(state) - device_bytes(state.params)  # optimizer state(s), critic
     step = make_family_train_step(cfg, model_config, mesh, optimizer=optimizer)
     report = {
         "train_step": compile_memory(
-            step, state, minibatch, resident_bytes=ref + batch_held, with_hlo=with_hlo
+            step, state, minibatch, *extra, resident_bytes=ref + batch_held, with_hlo=with_hlo
         ),
         "old_logprobs": compile_memory(
             make_logprob_fn(cfg, model_config, mesh),
-            state.params,
+            policy,
             full.inputs,
             resident_bytes=others + ref,
             with_hlo=with_hlo,

@@ -117,6 +117,23 @@ ARG_CASES = {  # name -> (overrides, with {tmp} and {file} filled in, fragments 
         ["rollout.vllm.gpu_memory_utilization"],
     ),
     "seed_negative": (["--config.trainer.seed=-1"], ["trainer.seed"]),
+    "lora_rank_negative": (["--config.model.lora_rank=-4"], ["model.lora_rank", ">= 0"]),
+    "lora_alpha_zero": (
+        ["--config.model.lora_rank=8", "--config.model.lora_alpha=0"],
+        ["model.lora_alpha", "> 0"],
+    ),
+    "lora_target_bad_regex": (
+        ["--config.model.lora_rank=8", "--config.model.lora_targets=('q_proj(',)"],
+        ["model.lora_targets", "not a valid regex"],
+    ),
+    "lora_with_ppo": (
+        [
+            "--config.model.lora_rank=8",
+            "--config.algo.family=ppo",
+            "--config.trainer.tokens_per_micro_batch=0",
+        ],
+        ["model.lora_rank", "GRPO family"],
+    ),
     "unknown_logprob_impl": (
         ["--config.trainer.logprob_impl=fused"],
         ["trainer.logprob_impl", "'fused'", "xla"],

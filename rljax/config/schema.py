@@ -84,6 +84,13 @@ class ModelConfig:
     # rljax.models.DECODERS (qwen2, qwen3, llama), or "package.module:Class" (bring your own model,
     # docs/models.md; its HF table maps its params onto the checkpoint's tensor names).
     family: str = "auto"
+    # LoRA (docs/lora.md): rank 0 trains every parameter; r > 0 trains only low-rank adapters on the
+    # `lora_targets` modules (regexes matched against a module's name or path; the default is
+    # rljax.models.config.LORA_TARGETS, the attention and MLP projections) with PEFT's scale alpha / r.
+    # No dropout: the trainer's log-probs must equal the rollout engine's (which has none) to float32.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)

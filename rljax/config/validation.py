@@ -14,6 +14,7 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
+from rljax.config.lora_checks import validate_lora
 from rljax.config.packing_checks import validate_packing
 from rljax.config.parsing import field_types
 from rljax.config.schema import FP8_SERVING, SANDBOX_MODES, Config, ConfigError, MeshConfig, RolloutConfig
@@ -75,6 +76,7 @@ _RANGES = (
     ("algo.max_refill_rounds", 0, math.inf),
     ("data.eval_size", 0, math.inf),
     ("model.unroll_layers", 0, math.inf),
+    ("model.lora_rank", 0, math.inf),
     ("data.seed", 0, 2**32 - 1),
     ("trainer.seed", 0, 2**32 - 1),
     ("trainer.eval_every", 0, math.inf),
@@ -250,6 +252,7 @@ def validate(cfg: Config) -> Config:
             f"must be in [0, 0.95] (0: planned), got {cfg.mesh.gpu_memory_fraction}",
         )
     _validate_mesh_sizes(cfg.mesh)
+    validate_lora(cfg, family)
     _check_names(cfg)
     return cfg
 

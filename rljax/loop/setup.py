@@ -11,6 +11,7 @@ restored weights into the (new) rollout server before the first step; connected 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from rljax.checkpoint import Checkpointer, abstract_like
 from rljax.config import Config, mesh_shape, to_dict
 from rljax.data import make_prompt_renderer
 from rljax.distributed import is_leader
+from rljax.loop import lora_setup
 from rljax.loop.async_rollout import AsyncProducer
 from rljax.loop.data_setup import PromptStream, load_examples
 from rljax.loop.engine import make_engine
@@ -124,9 +126,12 @@ def make_length_shaping(cfg: Config) -> Callable:
 
 def load_policy(cfg: Config, mesh: Mesh) -> tuple[models.ModelConfig, Any, Tokenizer]:
     """(model_config with the configured dtype policy, params in their shardings, tokenizer); the model
-    config is the trainer's (`resolve_model_config`: dtypes, remat, attention from `cfg.model`)."""
+    config is the trainer's (`resolve_model_config`: dtypes, remat, attention, LoRA from `cfg.model`);
+    with LoRA the params are the frozen base's."""
+    # A LoRA run's base is frozen: it is held in the compute dtype (no float32 master copy).
+    dtype = cfg.model.compute_dtype if cfg.model.lora_rank else cfg.model.param_dtype
     model_config, params = models.load_hf_checkpoint(
-        cfg.model.path, dtype=jnp.dtype(cfg.model.param_dtype), mesh=mesh, decoder=model_decoder(cfg)
+        cfg.model.path, dtype=jnp.dtype(dtype), mesh=mesh, decoder=model_decoder(cfg)
     )
     check_finite(params, cfg.model.path)
     return resolve_model_config(cfg, model_config), params, models.load_tokenizer(cfg.model.path)
@@ -202,14 +207,17 @@ def make_sampler(cfg: Config, tokenizer: Tokenizer, engine: Engine, rewards: Rew
 
 
 def make_trainer(cfg: Config, model_config: models.ModelConfig, mesh: Mesh, params: Any) -> Trainer:
-    """The run's Trainer; the update factory is chosen by `algo.family` (`trainer.families`)."""
+    """The run's Trainer; the update factory is chosen by `algo.family` (`trainer.families`). With LoRA
+    `params` (the frozen base) is bound to the update, which also takes its reference policy from it."""
+    update = trainer.make_family_update(cfg, model_config, mesh)
+    lora_run = bool(model_config.lora_rank)
     return Trainer(
         model_config=model_config,
         mesh=mesh,
-        update=trainer.make_family_update(cfg, model_config, mesh),
+        update=functools.partial(update, base=params) if lora_run else update,
         prepare_batch=lambda b: trainer.prepare_batch(cfg, b, mesh),
         advantages=make_advantages(cfg),
-        ref_params=params if cfg.algo.needs_reference else None,
+        ref_params=params if cfg.algo.needs_reference and not lora_run else None,
         batch_template=batch_template(cfg),
     )
 
@@ -217,7 +225,8 @@ def make_trainer(cfg: Config, model_config: models.ModelConfig, mesh: Mesh, para
 def make_io(cfg: Config, workdir: str, checkpointer: Checkpointer, start_step: int) -> RunIO:
     logger, status = make_writers(cfg, workdir, start_step)
     timer = PhaseTimer(on_phase=lambda name: status.update(phase=name))
-    return RunIO(workdir, logger, status, checkpointer, timer, to_dict(cfg))
+    config_dict = lora_setup.checkpoint_config(cfg, to_dict(cfg))
+    return RunIO(workdir, logger, status, checkpointer, timer, config_dict)
 
 
 def make_checkpointer(cfg: Config, workdir: str) -> Checkpointer:
@@ -238,7 +247,8 @@ def build_run(
     sizes = mesh_shape(cfg.mesh, jax.device_count())
     mesh = make_mesh(**sizes)
     model_config, params, tokenizer = load_policy(cfg, mesh)
-    state = trainer.init_train_state(cfg, model_config, params, mesh)
+    initial = lora_setup.initial_params(cfg, model_config, params)
+    state = trainer.init_train_state(cfg, model_config, initial, mesh)
     checkpointer = make_checkpointer(cfg, workdir)
     train_examples, eval_examples = load_examples(cfg.data) if examples is None else examples
     prompts = PromptStream(train_examples, seed=cfg.data.seed)
@@ -247,12 +257,14 @@ def build_run(
         start_step, state, extra = restored
         prompts.restore(extra["data"])
         print(f"rljax: resuming from checkpoint step {start_step} in {checkpointer.directory}", flush=True)
-    engine = make_engine(cfg, workdir, model_config, mesh, data_parallel=sizes["data"] * sizes["fsdp"])
+    engine = make_run_engine(cfg, workdir, model_config, mesh, params, sizes["data"] * sizes["fsdp"])
     if restored is not None or cfg.rollout.vllm.urls:
         # A server we start holds the base weights; one we connect to holds whatever it was last sent
         # (e.g. a previous run's policy): either way serve exactly this run's weights from the first step.
         engine.push_weights(state.params, start_step)
     io = make_io(cfg, workdir, checkpointer, start_step)
+    if restored is not None:
+        lora_setup.check_base(checkpointer, start_step, io.config_dict)
     train_part = make_trainer(cfg, model_config, mesh, params)
     leader = is_leader()
     sampler = make_sampler(cfg, tokenizer, engine, make_reward_pool(cfg) if leader else None)
@@ -262,6 +274,15 @@ def build_run(
     producer = make_producer(collector, cfg, start_step, extra) if async_mode else None
     run = Run(cfg, sampler, train_part, collector, producer, evaluator, io)
     return run, state, start_step
+
+
+def make_run_engine(cfg: Config, workdir: str, model_config, mesh: Mesh, params: Any, data_parallel: int):
+    """The rollout engine; with LoRA it serves the merged model (`lora_setup.MergedPushEngine`)."""
+    engine_cfg, engine_model = lora_setup.engine_view(cfg, model_config)
+    engine = make_engine(engine_cfg, workdir, engine_model, mesh, data_parallel=data_parallel)
+    if not model_config.lora_rank:
+        return engine
+    return lora_setup.MergedPushEngine(engine, model_config, params, mesh)
 
 
 def batch_template(cfg: Config) -> LossInputs:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rljax import models, sharding
 from rljax.algos import FAMILIES
 from rljax.config import Config
+from rljax.models import lora
 from rljax.trainer.optim import make_optimizer, total_optimizer_steps
 
 # Batch rows are split over every data-parallel mesh axis; the rest of each array is replicated.
@@ -38,8 +39,9 @@ class TrainState:
     Fields:
       step: i32[] number of optimizer updates applied (skipped non-finite steps do not count), which is
         also the optimizer's schedule count.
-      params: policy parameters (master copy, `cfg.model.param_dtype`, float32 by default).
-      opt_state: the policy optimizer's state (same dtype as params).
+      params: policy parameters (master copy, `cfg.model.param_dtype`, float32 by default); with LoRA
+        (`cfg.model.lora_rank > 0`) the adapter only: the frozen base is passed to the update beside it.
+      opt_state: the policy optimizer's state (same dtype as params: with LoRA, over the adapter only).
       nonfinite_count: i32[] consecutive skipped (non-finite) steps; 0 after any good step.
       critic_params: PPO only (else None): `{"decoder": <policy-shaped params>, "value_head": {"kernel":
         f32[d], "bias": f32[]}}` -- a separate copy of the decoder with a scalar head (see rljax.trainer.ppo).
@@ -101,6 +103,9 @@ def resolve_model_config(cfg: Config, model_config: models.ModelConfig) -> model
         attention_block_size=cfg.model.attention_block_size,
         unroll_layers=cfg.model.unroll_layers,
         decoder=model_decoder(cfg),
+        lora_rank=cfg.model.lora_rank,
+        lora_alpha=cfg.model.lora_alpha,
+        lora_targets=tuple(cfg.model.lora_targets),
     )
 
 
@@ -112,6 +117,25 @@ def model_decoder(cfg: Config) -> str:
 def param_shardings(model_config: models.ModelConfig, mesh: Mesh) -> Any:
     """NamedSharding tree of the policy parameters, from the model's logical axes and LOGICAL_RULES."""
     return sharding.logical_to_sharding(models.param_logical_axes(model_config), mesh)
+
+
+def trainable_shardings(model_config: models.ModelConfig, mesh: Mesh) -> Any:
+    """NamedSharding tree of `TrainState.params`: the LoRA adapter when `model_config.lora_rank > 0`
+    (the frozen base is held outside the state, `base_shardings`), else every parameter."""
+    shardings = param_shardings(model_config, mesh)
+    return lora.split_params(shardings)[1] if model_config.lora_rank else shardings
+
+
+def base_shardings(model_config: models.ModelConfig, mesh: Mesh) -> Any:
+    """NamedSharding tree of the frozen base params of a LoRA model (the checkpoint's params)."""
+    return lora.split_params(param_shardings(model_config, mesh))[0]
+
+
+def abstract_trainable(model_config: models.ModelConfig) -> Any:
+    """ShapeDtypeStruct tree of `TrainState.params` (see `trainable_shardings`)."""
+    if model_config.lora_rank:
+        return lora.abstract_adapter(model_config)
+    return models.abstract_params(model_config)
 
 
 def abstract_critic(model_config: models.ModelConfig) -> dict:
@@ -155,7 +179,7 @@ def state_shardings(
 ) -> TrainState:
     """TrainState of NamedShardings for `model_config` (resolved: its param dtype is the master dtype);
     critic fields None unless `critic`."""
-    p_sh = param_shardings(model_config, mesh)
+    p_sh = trainable_shardings(model_config, mesh)
     c_sh = c_opt = None
     if critic:
         c_sh = critic_shardings(model_config, mesh)
@@ -163,7 +187,7 @@ def state_shardings(
     return TrainState(
         step=replicated(mesh),
         params=p_sh,
-        opt_state=opt_state_shardings(optimizer, models.abstract_params(model_config), p_sh, mesh),
+        opt_state=opt_state_shardings(optimizer, abstract_trainable(model_config), p_sh, mesh),
         nonfinite_count=replicated(mesh),
         critic_params=c_sh,
         critic_opt_state=c_opt,
@@ -216,7 +240,8 @@ def init_train_state(
     optimizer: optax.GradientTransformation | None = None,
     critic_params: Any = None,
 ) -> TrainState:
-    """Sharded TrainState from (host or device) parameters.
+    """Sharded TrainState from (host or device) parameters: every parameter, or with LoRA
+    (`cfg.model.lora_rank > 0`) the adapter only (`rljax.models.lora.init_adapter`).
 
     Shardings come from `jax.eval_shape` of the optimizer init and the model's logical axes, so no
     unsharded copy of the optimizer state is ever built. Master params are cast to `cfg.model.param_dtype`.

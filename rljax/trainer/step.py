@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 
 from rljax import algos
 from rljax.config import Config
+from rljax.models import lora
 from rljax.trainer.accumulate import accumulate_gradients, guarded_update, is_finite, micro_batch_rows
 from rljax.trainer.batch import TrainBatch
 from rljax.trainer.logprobs import sequence_logprobs
@@ -40,6 +41,7 @@ from rljax.trainer.optim import make_optimizer, make_schedule, total_optimizer_s
 from rljax.trainer.state import (
     BATCH_AXES,
     TrainState,
+    base_shardings,
     batch_sharding,
     param_shardings,
     replicated,
@@ -241,15 +243,16 @@ def make_gradients(
     """Un-jitted `fn(params, batch) -> (grads, metrics)` shared by every step: IS weights on the whole
     minibatch, then `loss_fn` gradients accumulated over micro-batches with the minibatch's normalizers
     (length budget `rollout.max_tokens`). With `on_policy` (`loss_fn` built with it too) the IS weights
-    are the loss's own, and the metrics add the trainer-vs-rollout gap (`own_old_logp_metrics`)."""
+    are the loss's own, and the metrics add the trainer-vs-rollout gap (`own_old_logp_metrics`).
+    With LoRA `params` is the adapter (the gradient's tree) and `base` the frozen base params."""
     max_len = cfg.rollout.max_tokens
     data_parallel = math.prod(mesh.shape[a] for a in BATCH_AXES)
 
-    def gradients(params, batch: TrainBatch):
+    def gradients(params, batch: TrainBatch, base: Any = None):
         norms = normalizers(batch, max_len=max_len)
         if not on_policy:
             batch, is_metrics = with_importance_weights(cfg, batch)
-        fn = lambda p, mb: loss_fn(p, mb, norms)
+        fn = lambda p, mb: loss_fn(policy_params(p, base), mb, norms)
         num_micro = num_micro_batches(cfg, batch.num_rows, data_parallel)
         grads, sums = accumulate_gradients(fn, params, batch, num_micro, mesh)
         n = norms["num_tokens"]
@@ -257,6 +260,11 @@ def make_gradients(
         return grads, policy_metrics(sums, n) | extra
 
     return gradients
+
+
+def policy_params(params: Any, base: Any) -> Any:
+    """The decoder's params: `params` (full fine-tuning, `base` None), or the base plus the adapter."""
+    return params if base is None else lora.combine(base, params)
 
 
 def make_policy_gradients(cfg: Config, model_config: Any, mesh: Mesh, *, on_policy: bool = False) -> Callable:
@@ -277,8 +285,8 @@ def make_grpo_step_fn(
     gradients = make_policy_gradients(cfg, model_config, mesh, on_policy=on_policy)
     schedule = make_schedule(cfg.optim, total_optimizer_steps(cfg))
 
-    def step(state: TrainState, batch: TrainBatch):
-        grads, metrics = gradients(state.params, batch)
+    def step(state: TrainState, batch: TrainBatch, base: Any = None):
+        grads, metrics = gradients(state.params, batch, base)
         grad_norm = optax.global_norm(grads)
         finite = is_finite(metrics["loss/total"], grad_norm)
         params, opt_state = guarded_update(optimizer, state.params, state.opt_state, grads, finite)
@@ -296,13 +304,15 @@ def is_metrics_out(metrics: dict) -> dict:
 
 
 def jit_step(
-    step: Callable, shardings: TrainState, mesh: Mesh
+    step: Callable, shardings: TrainState, mesh: Mesh, base_shardings: Any = None
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
     """`jax.jit(step)` with explicit shardings (state in = state out = `shardings`, batch rows over
-    (data, fsdp), metrics replicated) and the input state donated."""
+    (data, fsdp), metrics replicated) and the input state donated. With `base_shardings` (LoRA) the
+    step takes the frozen base params as a third argument (not donated)."""
+    extra = () if base_shardings is None else (base_shardings,)
     return jax.jit(
         step,
-        in_shardings=(shardings, batch_sharding(mesh)),
+        in_shardings=(shardings, batch_sharding(mesh), *extra),
         out_shardings=(shardings, replicated(mesh)),
         donate_argnums=0,
     )
@@ -324,14 +334,16 @@ def make_train_step(
     Metrics (replicated f32[] scalars): loss/total, loss/policy, loss/kl, loss/entropy, kl/mean,
     entropy/mean, clip/frac_low, clip/frac_high, is/weight_mean, is/weight_max, is/frac_capped,
     optim/grad_norm (before clipping), optim/lr, optim/skipped_steps, optim/nonfinite.
+    With LoRA (`cfg.model.lora_rank > 0`) it is `(state, batch, base)`: `state.params` is the adapter.
     With `on_policy` (the update's on-policy shortcut) `batch.old_logp` is None: the step takes the old
     log-probs from its own forward under stop-gradient, and adds the metrics GAP_MAX, GAP_MEAN and GAP_KL.
     """
     if optimizer is None:
         optimizer = make_optimizer(cfg.optim, total_optimizer_steps(cfg))
-    shardings = state_shardings(resolve_model_config(cfg, model_config), mesh, optimizer)
+    resolved = resolve_model_config(cfg, model_config)
+    shardings = state_shardings(resolved, mesh, optimizer)
     step = make_grpo_step_fn(cfg, model_config, mesh, optimizer, on_policy=on_policy)
-    return jit_step(step, shardings, mesh)
+    return jit_step(step, shardings, mesh, base_shardings(resolved, mesh) if resolved.lora_rank else None)
 
 
 def jit_grad_fn(gradients: Callable, params_shardings: Any, mesh: Mesh) -> Callable:

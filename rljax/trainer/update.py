@@ -23,7 +23,15 @@ from rljax.metrics.values import combine_metrics
 from rljax.trainer.batch import TrainBatch
 from rljax.trainer.logprobs import make_logprob_fn
 from rljax.trainer.state import TrainState, batch_sharding, check_nonfinite, put_global, replicated
-from rljax.trainer.step import GAP_KL, GAP_MAX, GAP_MEAN, logprob_gap, logprob_kl, make_train_step
+from rljax.trainer.step import (
+    GAP_KL,
+    GAP_MAX,
+    GAP_MEAN,
+    logprob_gap,
+    logprob_kl,
+    make_train_step,
+    policy_params,
+)
 from rljax.types import LossInputs
 
 StepFn = Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]
@@ -89,7 +97,9 @@ def on_policy_shortcut(cfg: Config) -> bool:
 def make_update(
     cfg: Config, model_config: Any, mesh: Mesh, *, optimizer: optax.GradientTransformation | None = None
 ) -> Callable[..., tuple[TrainState, dict]]:
-    """GRPO family: `update(state, batch: LossInputs, ref_params=None) -> (state, metrics)`: the
+    """GRPO family: `update(state, batch: LossInputs, ref_params=None, base=None) -> (state, metrics)`
+    (`base`: with LoRA, the frozen base params; `state.params` is then the adapter, and the reference
+    policy, when algo.beta > 0 and no `ref_params` are given, is the base): the
     on-policy update (`make_on_policy_update`) when `on_policy_shortcut(cfg)`, else the update with a
     separate old log-prob pass (`make_separate_pass_update`). Same results, same metrics."""
     build = make_on_policy_update if on_policy_shortcut(cfg) else make_separate_pass_update
@@ -111,10 +121,11 @@ def make_on_policy_update(
     logprob_fn = make_logprob_fn(cfg, model_config, mesh)  # reference log-probs only
     step = make_train_step(cfg, model_config, mesh, optimizer=optimizer, on_policy=True)
 
-    def update(state: TrainState, batch: LossInputs, ref_params: Any = None):
+    def update(state: TrainState, batch: LossInputs, ref_params: Any = None, base: Any = None):
+        ref_params = lora_reference(ref_params, base, state.params)
         ref_logp = reference_logprobs(cfg, logprob_fn, ref_params, batch)
         train_batch = TrainBatch(inputs=batch, old_logp=None, advantages=batch.advantages, ref_logp=ref_logp)
-        return run_epochs(cfg, mesh, step, state, train_batch)
+        return run_epochs(cfg, mesh, with_base(step, base), state, train_batch)
 
     return update
 
@@ -134,17 +145,30 @@ def make_separate_pass_update(
     step = make_train_step(cfg, model_config, mesh, optimizer=optimizer)
     mismatch = jax.jit(mismatch_metrics, out_shardings=replicated(mesh))
 
-    def update(state: TrainState, batch: LossInputs, ref_params: Any = None):
-        old_logp, _ = logprob_fn(state.params, batch)
-        ref_logp = reference_logprobs(cfg, logprob_fn, ref_params, batch)
+    def update(state: TrainState, batch: LossInputs, ref_params: Any = None, base: Any = None):
+        old_logp, _ = logprob_fn(policy_params(state.params, base), batch)
+        ref_logp = reference_logprobs(cfg, logprob_fn, lora_reference(ref_params, base, state.params), batch)
         train_batch = TrainBatch(
             inputs=batch, old_logp=old_logp, advantages=batch.advantages, ref_logp=ref_logp
         )
         extra = {k: float(v) for k, v in jax.device_get(mismatch(old_logp, batch)).items()}
-        state, metrics = run_epochs(cfg, mesh, step, state, train_batch)
+        state, metrics = run_epochs(cfg, mesh, with_base(step, base), state, train_batch)
         return state, metrics | extra
 
     return update
+
+
+def with_base(step: Callable, base: Any) -> StepFn:
+    """`step(state, batch)`: the jitted step itself, or with LoRA bound to the frozen `base` params."""
+    return step if base is None else (lambda state, batch: step(state, batch, base))
+
+
+def lora_reference(ref_params: Any, base: Any, adapter: Any) -> Any:
+    """The reference policy's params: `ref_params`, or with LoRA (`base` given) the base model itself:
+    the base with a zero adapter (`x W + 0`: exactly the base's forward, no second copy of the model)."""
+    if base is None or ref_params is not None:
+        return ref_params
+    return policy_params(jax.tree.map(jnp.zeros_like, adapter), base)
 
 
 def reference_logprobs(cfg: Config, logprob_fn: Callable, ref_params: Any, batch: LossInputs):
