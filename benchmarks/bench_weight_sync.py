@@ -192,7 +192,7 @@ def main() -> None:
     from rljax import models
     from rljax.config import CANARY_TOLERANCES
     from rljax.distributed import cast_params
-    from rljax.rollout import RolloutEngine, ServerOptions, StateDictWeights
+    from rljax.rollout import HostWeights, RolloutEngine, ServerOptions
     from rljax.weight_sync import SyncOptions, stage_buckets
 
     work = Path(args.workdir)
@@ -229,24 +229,19 @@ def main() -> None:
 
     opts = ServerOptions(gpu_memory_utilization=0.1, max_model_len=512, dtype=args.dtype)
     base = SyncOptions(bucket_bytes=args.bucket_mb << 20, canary_tolerance=CANARY_TOLERANCES[args.dtype])
-    engine = RolloutEngine.launch(
-        ckpt,
-        work / "server",
-        server_options=opts,
-        sync_options=base,
-        weights=StateDictWeights(trainer_logprobs),
-    )
+    engine = RolloutEngine.launch(ckpt, work / "server", server_options=opts, sync_options=base)
+    weights = HostWeights(trainer_logprobs)
     rows: dict[str, list[dict]] = {v: [] for v in variants + ["vllm_reload"]}
     try:
         url, model = engine.urls[0], engine.client.model
-        engine.push_weights(served(), 1)  # warm-up
+        engine.push_weights(weights.snapshot(served()), 1)  # warm-up
         version = 1
         for _ in range(args.repeats):  # interleaved, so the shared machine's load hits every variant alike
             for v in variants:
                 engine.syncer.options = dataclasses.replace(base, **VARIANTS[v])
                 version += 1
                 with Probe(url, model, engine.syncer.headers) as probe:
-                    m = engine.push_weights(served(), version)
+                    m = engine.push_weights(weights.snapshot(served()), version)
                 timing = last_engine_timing(engine.servers[0].log_path)
                 rows[v].append(
                     {

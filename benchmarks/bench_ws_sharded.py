@@ -98,7 +98,8 @@ def run_worker(args, variants_table) -> None:
 
     from rljax import models
     from rljax.config import CANARY_TOLERANCES, Config
-    from rljax.loop.engine import Follower, JaxWeights, ShardedJaxWeights, make_canary_logprobs
+    from rljax.loop.engine import Follower, JaxWeights, ShardedJaxWeights, make_canary_logprobs, push_params
+    from rljax.loop.sharded_sync import share_question
     from rljax.rollout import RolloutEngine
     from rljax.rollout.auth import read_token_file
     from rljax.sharding import make_mesh
@@ -112,7 +113,6 @@ def run_worker(args, variants_table) -> None:
     spec = models.hf_tensor_specs(config, args.dtype)
     stager = ShardStager(DEFAULT_STAGING_DIR, bucket_bytes=args.bucket_mb << 20, checksums=False, spec=spec)
     base = SyncOptions(bucket_bytes=args.bucket_mb << 20, canary_tolerance=CANARY_TOLERANCES[args.dtype])
-    weights = ShardedJaxWeights(JaxWeights(config, canary, args.dtype), stager)
     made = []  # this process's bucket servers, one per streamed push
 
     def serve(buckets, transport):
@@ -122,11 +122,11 @@ def run_worker(args, variants_table) -> None:
     engine = None
     if pid == 0:
         token = read_token_file(env["token_file"]) or None
-        engine = RolloutEngine.connect(
-            env["urls"], env["ckpt"], weights=weights, sync_options=base, token=token
-        )
-    loop = engine if engine is not None else Follower(weights)
-    loop.push_weights(params, 1)  # warm-up (compiles the canary)
+        engine = RolloutEngine.connect(env["urls"], env["ckpt"], sync_options=base, token=token)
+    loop = engine if engine is not None else Follower()
+    question = share_question(engine.canary if engine is not None else None)
+    weights = ShardedJaxWeights(JaxWeights(config, canary, question, args.dtype), stager)
+    push_params(loop, weights, params, 1)  # warm-up (compiles the canary)
     per = multihost_utils.process_allgather(np.asarray([stager.staged_bytes], np.int64))
     rounds: dict[str, list[dict]] = {v: [] for v in args.variants.split(",") if v}
     version = 1
@@ -140,14 +140,13 @@ def run_worker(args, variants_table) -> None:
             )
             pushing = pushing if streamed else weights
             if engine is not None:
-                engine.syncer.options, engine.weights = options, pushing
-            loop = engine if engine is not None else Follower(pushing)
+                engine.syncer.options = options
             multihost_utils.sync_global_devices(f"round {version}")
             probe = B.Probe(env["urls"][0], engine.client.model, engine.syncer.headers) if engine else None
             if probe:
                 probe.__enter__()
             t = time.perf_counter()
-            m = loop.push_weights(params, version)
+            m = push_params(loop, pushing, params, version)
             push_s = time.perf_counter() - t
             sent = np.asarray([made[-1].bytes_sent() if streamed and made else 0], np.int64)
             sent = [int(x) for x in np.asarray(multihost_utils.process_allgather(sent)).reshape(-1)]
@@ -170,4 +169,5 @@ def run_worker(args, variants_table) -> None:
             json.dumps({"model_bytes": model_bytes, "staged_bytes_per_process": staged, "rounds": rounds})
         )
     loop.close()
+    weights.close()
     multihost_utils.sync_global_devices("bench done")

@@ -33,11 +33,11 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[list[int]], **sampling: Any) -> list[Completion]: ...
 
-    def push_weights(self, params: Any, version: int) -> dict[str, float]:
-        """Serves `params` (a parameter pytree) as policy `version`; returns the sync's metrics."""
+    def push_weights(self, snapshot: Any, version: int) -> dict[str, float]:
+        """Serves `snapshot` (`Weights.snapshot(params)`) as policy `version`; returns the sync's metrics."""
         ...
 
-    def start_push(self, params: Any, version: int, on_served: Any = None) -> None:
+    def start_push(self, snapshot: Any, version: int, on_served: Any = None) -> None:
         """`push_weights` delivered in the background (async mode); `on_served(version)` when served."""
         ...
 
@@ -50,6 +50,17 @@ class Engine(Protocol):
         ...
 
     def metrics(self) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
+
+
+class Weights(Protocol):
+    """The trainer's side of a weight push (`rljax.loop.engine.JaxWeights`, `ShardedJaxWeights`)."""
+
+    def snapshot(self, params: Any) -> Any:
+        """`params` (a parameter pytree) as one version for `Engine.push_weights`; a context manager
+        (`with snapshot:` ends the push on the trainer's side)."""
+        ...
 
     def close(self) -> None: ...
 

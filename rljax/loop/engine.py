@@ -1,19 +1,26 @@
-"""The trainer's side of the rollout engine: JAX params -> a push, and `make_engine(cfg, ...)` from config.
+"""The trainer's side of the rollout engine: JAX params -> a snapshot; `make_engine(cfg, ...)` from config.
 
 `make_engine` builds the one `rljax.rollout.engine.RolloutEngine` of a run (owned or connected servers,
-client, syncer, transport, recovery, host placement), all chosen once from `cfg`. Its `weights` is a
-`JaxWeights`: `push_weights(params, version)` converts the trainer's params to the engine's names, layouts
-and serving dtype (`rljax.models.iter_hf_tensors`) and answers the canary with log-probs from the same
-`token_logprobs` path the update uses, on the same params.
+client, syncer, transport, recovery, host placement) and the run's weights, all chosen once from `cfg`.
+A push goes one way (`push_params`):
 
-Multi-process runs: only the leader holds the engine; every other process holds a `Follower`, whose
-`push_weights` takes part in the push's collectives and pushes nothing. The weights are a
-`ShardedJaxWeights`: every process stages only the shards it owns (`sharded_sync.push_sharded`: nothing
-is gathered); with tcp/zmq each process also serves them from its own host (`weight_sync.served`), so
-trainers on several hosts send their own shares straight to the rollout nodes; with shm the servers map
-every process's files, which needs all trainer processes on the servers' host. The canary's trainer side
-is the sharded log-prob function, a collective the leader drives; a recovery re-pushes the last push's
-buckets, kept (and served) by each process.
+    snapshot = weights.snapshot(params)          # JaxWeights (one process) or ShardedJaxWeights
+    with snapshot:
+        metrics = engine.push_weights(snapshot, version)
+
+`JaxWeights.snapshot` casts the trainer's params to the serving dtype on device and dispatches the
+canary's forward on the same `token_logprobs` path the update uses (`CanaryScorer`); the engine converts
+them to its names and layouts (`rljax.models.iter_hf_tensors`) while it stages them (`snapshots.JaxSnapshot`).
+
+Multi-process runs: only the leader holds the engine; every other process holds a `Follower`, which pushes
+nothing. The weights are a `ShardedJaxWeights`: every process stages only the shards it owns
+(`sharded_sync.stage_sharded`: nothing is gathered); with tcp/zmq each process also serves them from its
+own host (`weight_sync.served`), so trainers on several hosts send their own shares straight to the
+rollout nodes; with shm the servers map every process's files, which needs all trainer processes on the
+servers' host. The canary's question is the leader engine's (`sharded_sync.share_question`); its answer
+is the sharded log-prob function, computed by every process together when the snapshot is taken, so the
+leader's push needs no collective and the others wait at the push's end (`with snapshot:`). A recovery
+re-pushes the last push's buckets, kept (and served) by each process.
 """
 
 from __future__ import annotations
@@ -30,12 +37,13 @@ import numpy as np
 from rljax import device_plan, models, trainer
 from rljax.config import FP8_SERVING, Config, canary_tolerance, serving_dtype
 from rljax.distributed import cast_params, is_leader, to_host
-from rljax.loop.sharded_sync import PushState, push_sharded, single_host
+from rljax.loop.sharded_sync import PushState, share_question, single_host, stage_sharded
+from rljax.loop.snapshots import CanaryAnswers, JaxSnapshot, StagedSnapshot, spec_key
 from rljax.rollout import ClientOptions, RolloutEngine, placement
 from rljax.rollout.auth import read_token_file
 from rljax.rollout.server import options_from_config
 from rljax.trajectory import Trajectory, build_loss_inputs
-from rljax.weight_sync import SyncOptions, WeightSyncError, fp8, served, transports
+from rljax.weight_sync import SyncOptions, WeightSyncError, served, transports
 from rljax.weight_sync.canary import CanarySpec
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, ShardStager
 
@@ -70,85 +78,45 @@ class CanaryScorer:
         return self.dispatch(prompt_ids, completion_ids)()
 
 
-class EarlyCanary:
-    """The canary's trainer side started before the server is asked: `self(prompt, completion) -> f32[C]`.
-
-    The canary's question is fixed (`spec.prompt_ids + spec.completion_ids`, `weight_sync.canary`), so
-    the training-path forward that answers it (`scorer.dispatch`) is dispatched when the push starts and
-    runs while the weights are staged and loaded; the check then finds it done. Any other tokens are
-    scored by the same scorer when asked.
-    """
-
-    def __init__(self, scorer: CanaryScorer, spec: CanarySpec):
-        self._scorer = scorer
-        self._question = ([int(t) for t in spec.prompt_ids], [int(t) for t in spec.completion_ids])
-        self._early = scorer.dispatch(*self._question)
-
-    def __call__(self, prompt_ids, completion_ids) -> np.ndarray:
-        prompt, completion = [int(t) for t in prompt_ids], [int(t) for t in completion_ids]
-        if (prompt, completion) == self._question:
-            return self._early()
-        return self._scorer(prompt, completion)
-
-
 @dataclasses.dataclass(frozen=True)
 class JaxWeights:
-    """The engine's `WeightSource` for the trainer's params (a pytree of possibly sharded jax arrays).
+    """The trainer's params (a pytree of possibly sharded jax arrays) as snapshots, in one process.
 
-    `canary_logprobs(params) -> CanaryScorer` (`make_canary_logprobs`); `dtype`: the serving dtype
-    (params are cast to it on device before staging; None: as they are).
+    `canary_logprobs(params) -> CanaryScorer` (`make_canary_logprobs`); `canary`: the question every push
+    is asked (`RolloutEngine.canary`); `dtype`: the serving dtype (params are cast to it on device
+    before staging; None: as they are).
     """
 
     model_config: Any
     canary_logprobs: Callable
+    canary: CanarySpec
     dtype: str | None = None
 
-    def push(self, params, canary: CanarySpec | None, push: Callable | None) -> dict:
-        """`push(snapshot)` of a single-process run (multi-process runs push through `ShardedJaxWeights`)."""
+    def snapshot(self, params) -> JaxSnapshot:
+        """`params` as one version: the canary's training-path forward is dispatched now (it runs while
+        the weights are staged and loaded; the check then finds it done), the params cast on device."""
         if jax.process_count() > 1:
-            raise RuntimeError("JaxWeights pushes a single-process run's params; use ShardedJaxWeights")
-        early = EarlyCanary(self.canary_logprobs(params), canary)
+            raise RuntimeError("JaxWeights snapshots a single-process run's params; use ShardedJaxWeights")
+        scorer = self.canary_logprobs(params)
+        early = scorer.dispatch(self.canary.prompt_ids, self.canary.completion_ids)
+        answers = CanaryAnswers({spec_key(self.canary): early}, scorer)  # other tokens: scored when asked
         # on device; converted one tensor at a time by the sync (fp8: scaled per tensor on the host)
         host = cast_params(params, None if self.dtype == FP8_SERVING else self.dtype)
-        return push(JaxSnapshot(self.model_config, host, self.dtype, _Memo(early)))
+        return JaxSnapshot(self.model_config, host, self.dtype, answers)
 
     def close(self) -> None:
         pass
 
 
 @dataclasses.dataclass(frozen=True)
-class JaxSnapshot:
-    model_config: Any
-    host: Any  # the params in the serving dtype (`cast_params`), on device until `keep`
-    dtype: str | None
-    logprobs: _Memo  # the training path's canary answers of this push (`EarlyCanary`)
-
-    def tensors(self):
-        """`(hf_name, array)` in the serving layout and dtype, converted one tensor at a time."""
-        if self.dtype == FP8_SERVING:
-            return fp8.fp8_tensors(models.iter_hf_tensors(self.model_config, self.host, "float32"))
-        return models.iter_hf_tensors(self.model_config, self.host, self.dtype)
-
-    def push(self, syncer, version: int) -> dict:
-        return syncer.push_weights(self.tensors(), version, self.logprobs)
-
-    def keep(self) -> Callable[[], JaxSnapshot]:
-        """A host copy of the weights (the next update donates the device arrays) and the canary's
-        answers of this push (a recovery's re-push is checked against them, `_Memo`)."""
-        host = jax.tree.map(lambda x: np.array(x) if isinstance(x, jax.Array) else x, self.host)
-        kept = JaxSnapshot(self.model_config, host, self.dtype, self.logprobs.frozen())
-        return lambda: kept
-
-
-@dataclasses.dataclass(frozen=True)
 class ShardedJaxWeights:
-    """Multi-process: every process (leader and followers alike) calls `push`, which stages its own shards
-    and wraps the leader's `push(snapshot)` in the collectives of `sharded_sync.push_sharded`. `serve`
-    (tcp/zmq: `buckets -> weight_sync.served.ServedBuckets`, see `make_sharded_weights`): each process
-    serves its own buckets; None (shm): the servers map every process's files on this host.
-    With `max_restarts > 0` the processes keep the last push's buckets (and servers) and the leader keeps
-    the canary's trainer-side answers of that push, so a recovery re-pushes them with no collective and
-    nothing gathered."""
+    """Multi-process: every process (leader and followers alike) calls `snapshot` at the same point; it
+    stages that process's own shards and computes the canary's answer collectively
+    (`sharded_sync.stage_sharded`). `serve` (tcp/zmq: `buckets -> weight_sync.served.ServedBuckets`,
+    see `make_sharded_weights`): each process serves its own buckets; None (shm): the servers map every
+    process's files on this host. With `max_restarts > 0` the processes keep the last push's buckets
+    (and servers) and the leader's engine keeps the snapshot's answers, so a recovery re-pushes them
+    with no collective and nothing gathered."""
 
     weights: JaxWeights
     stager: ShardStager
@@ -156,20 +124,16 @@ class ShardedJaxWeights:
     serve: Callable | None = None
     state: PushState = dataclasses.field(default_factory=PushState)  # kept across `dataclasses.replace`
 
-    def push(self, params, canary: CanarySpec | None, push: Callable | None) -> dict:
+    def snapshot(self, params) -> StagedSnapshot:
         w = self.weights
-
-        def leader_push(staged, logprobs) -> dict:
-            return push(_StagedSnapshot(staged, _Memo(logprobs)))
-
-        return push_sharded(
+        return stage_sharded(
             params,
             state=self.state,
             model_config=w.model_config,
             dtype=w.dtype,
             stager=self.stager,
-            canary=w.canary_logprobs,
-            push=leader_push if push is not None else None,
+            scorer=w.canary_logprobs(params),
+            question=w.canary,
             keep=self.max_restarts > 0,
             serve=self.serve,
         )
@@ -179,21 +143,27 @@ class ShardedJaxWeights:
         self.stager.close()
 
 
-def make_sharded_weights(cfg: Config, weights: JaxWeights) -> ShardedJaxWeights:
-    """The multi-process `ShardedJaxWeights` of `cfg`: each process serves its own buckets with a streaming
-    `rollout.weight_sync.transport`; with `shm` every trainer process must share the servers' host."""
+def sharded_serve(cfg: Config) -> Callable | None:
+    """How each process of a multi-process job serves its own buckets with a streaming
+    `rollout.weight_sync.transport` (None: shm, where every trainer process must share the servers'
+    host; checked here, before any server starts). Every process calls it at start-up."""
     ws = cfg.rollout.weight_sync
-    serve = None
     if transports.streams(ws.transport):  # this host's address, found once (a bad list fails at start-up)
         host = transports.local_address(ws.tcp_host)
-        serve = functools.partial(
+        return functools.partial(
             served.serve_buckets, transport=ws.transport, hosts=host, timeout_s=ws.tcp_timeout_s
         )
-    elif not single_host():
+    if not single_host():
         raise WeightSyncError(
             "rollout.weight_sync.transport=shm maps bucket files on one host, but the trainer processes "
             "run on several: use tcp or zmq (with tcp_host listing every trainer host's address)"
         )
+    return None
+
+
+def make_sharded_weights(cfg: Config, weights: JaxWeights, serve: Callable | None) -> ShardedJaxWeights:
+    """The multi-process `ShardedJaxWeights` of `cfg` (`serve`: `sharded_serve(cfg)`)."""
+    ws = cfg.rollout.weight_sync
     stager = ShardStager(
         DEFAULT_STAGING_DIR,
         bucket_bytes=ws.bucket_mb * 2**20,
@@ -203,73 +173,48 @@ def make_sharded_weights(cfg: Config, weights: JaxWeights) -> ShardedJaxWeights:
     return ShardedJaxWeights(weights, stager, max_restarts=cfg.rollout.vllm.max_restarts, serve=serve)
 
 
-class _Memo:
-    """The canary's trainer side of one sharded push, remembered: a recovery's re-push asks the restarted
-    server the same question and gets the answers the push computed (the sharded scorer is a
-    collective the other processes no longer join). A question not asked at push time fails the check."""
-
-    def __init__(self, logprobs: Callable | None):
-        self._logprobs, self._answers = logprobs, {}
-
-    def __call__(self, prompt_ids, completion_ids) -> np.ndarray:
-        key = (tuple(int(t) for t in prompt_ids), tuple(int(t) for t in completion_ids))
-        if key not in self._answers:
-            if self._logprobs is None:
-                raise WeightSyncError("canary: the re-pushed weights answered a prompt the push did not see")
-            self._answers[key] = np.asarray(self._logprobs(prompt_ids, completion_ids))
-        return self._answers[key]
-
-    def frozen(self) -> _Memo:
-        memo = _Memo(None)
-        memo._answers = dict(self._answers)
-        return memo
-
-
-@dataclasses.dataclass(frozen=True)
-class _StagedSnapshot:
-    """The buckets every process staged (`StagedBuckets`) and the leader's side of the sharded canary."""
-
-    staged: Any
-    logprobs: _Memo
-
-    def push(self, syncer, version: int) -> dict:
-        return syncer.push_staged(self.staged, version, self.logprobs)
-
-    def keep(self) -> Callable[[], _StagedSnapshot]:
-        # the files (and their servers) stay until the next push; a re-push does not wait on the others
-        kept = _StagedSnapshot(dataclasses.replace(self.staged, wait_sent=None), self.logprobs.frozen())
-        return lambda: kept
-
-
 @dataclasses.dataclass(frozen=True)
 class Follower:
-    """A non-leader process's side of the engine: joins each push's collectives, serves nothing."""
+    """A non-leader process's side of the engine: its snapshots join each push's collectives (when they
+    are taken, and at the end of the push, `with snapshot:`); it pushes nothing and serves nothing."""
 
-    weights: JaxWeights | ShardedJaxWeights
-
-    def push_weights(self, params, version: int) -> dict:
-        self.weights.push(params, None, None)  # the push's collectives
+    def push_weights(self, snapshot, version: int) -> dict:
         return {}
 
     def metrics(self) -> dict:
         return {}
 
     def close(self) -> None:
-        self.weights.close()
+        pass
+
+
+def push_params(engine: RolloutEngine | Follower, weights, params, version: int) -> dict:
+    """Serves `params` as policy `version`: `weights.snapshot(params)` (the trainer's side), then
+    `engine.push_weights(snapshot, version)`; returns its metrics ({} on a follower)."""
+    with weights.snapshot(params) as snapshot:
+        return engine.push_weights(snapshot, version)
 
 
 def make_engine(
     cfg: Config, workdir: str, model_config, mesh, data_parallel: int
-) -> RolloutEngine | Follower:
-    """The configured vLLM servers (`rollout.vllm.num_servers` started, or connected by URL, on the leader);
-    logs in `workdir/vllm/replica_<i>/`."""
-    canary = make_canary_logprobs(cfg, model_config, mesh, data_parallel)
+) -> tuple[RolloutEngine | Follower, JaxWeights | ShardedJaxWeights]:
+    """`(engine, weights)`: the configured vLLM servers (`rollout.vllm.num_servers` started, or connected
+    by URL, on the leader; logs in `workdir/vllm/replica_<i>/`) and the trainer's side of each push,
+    every push then `push_params(engine, weights, params, version)`. Every process calls it."""
+    multi = jax.process_count() > 1
+    serve = sharded_serve(cfg) if multi else None  # before any server starts
+    engine = _leader_engine(cfg, workdir) if is_leader() else Follower()
+    question = share_question(engine.canary if is_leader() else None)
+    scorer = make_canary_logprobs(cfg, model_config, mesh, data_parallel)
+    weights = JaxWeights(model_config, scorer, question, serving_dtype(cfg))
+    if multi:  # sharded staging: each process writes (and serves) its own shards
+        weights = make_sharded_weights(cfg, weights, serve)
+    return engine, weights
+
+
+def _leader_engine(cfg: Config, workdir: str) -> RolloutEngine:
+    """The leader's `RolloutEngine` of `cfg`, its host placement applied."""
     vc, ws = cfg.rollout.vllm, cfg.rollout.weight_sync
-    weights = JaxWeights(model_config, canary, serving_dtype(cfg))
-    if jax.process_count() > 1:  # sharded staging: each process writes (and serves) its own shards
-        weights = make_sharded_weights(cfg, weights)
-    if not is_leader():
-        return Follower(weights)
     place = placement.plan_placement(
         placement.allowed_cpus(),
         vc.placement,
@@ -277,7 +222,6 @@ def make_engine(
         server_on_host=not vc.urls and jax.process_count() == 1,
     )
     common = dict(
-        weights=weights,
         max_restarts=vc.max_restarts,
         client_options=ClientOptions(
             no_progress_timeout_s=vc.no_progress_timeout_s,

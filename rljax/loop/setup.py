@@ -29,14 +29,14 @@ from rljax.distributed import is_leader
 from rljax.loop import lora_setup
 from rljax.loop.async_rollout import AsyncProducer
 from rljax.loop.data_setup import PromptStream, load_examples
-from rljax.loop.engine import make_engine
+from rljax.loop.engine import make_engine, push_params
 from rljax.loop.evaluation import NO_EVAL, Evaluator, make_evaluator
 from rljax.loop.phases import PhaseTimer
 from rljax.loop.rollout_phase import Collector, make_collector, select_groups
 from rljax.metrics import MetricsLogger, StatusWriter
 from rljax.models.hf import CheckpointFormatError
 from rljax.rewards import RewardPool
-from rljax.sampling import Engine, Sampler, SamplingOptions, Tokenizer
+from rljax.sampling import Engine, Sampler, SamplingOptions, Tokenizer, Weights
 from rljax.sharding import make_mesh
 from rljax.trainer.state import TrainState, model_decoder, resolve_model_config
 from rljax.trajectory import Trajectory, build_loss_inputs
@@ -85,6 +85,7 @@ class Run:
     producer: AsyncProducer | None
     evaluator: Evaluator
     io: RunIO
+    weights: Weights  # the trainer's side of each push: `snapshot(params)` (`loop.engine.push_params`)
 
     def close(self, phase: str = "done") -> None:
         """Stops everything; the status file ends with `phase` (done, failed, preempted)."""
@@ -92,6 +93,7 @@ class Run:
             self.producer.close()
         self.io.checkpointer.close()
         self.sampler.engine.close()
+        self.weights.close()
         if self.sampler.rewards is not None:
             self.sampler.rewards.close()
         self.evaluator.close()
@@ -257,11 +259,12 @@ def build_run(
         start_step, state, extra = restored
         prompts.restore(extra["data"])
         print(f"rljax: resuming from checkpoint step {start_step} in {checkpointer.directory}", flush=True)
-    engine = make_run_engine(cfg, workdir, model_config, mesh, params, sizes["data"] * sizes["fsdp"])
+    data_parallel = sizes["data"] * sizes["fsdp"]
+    engine, weights = make_engine(cfg, workdir, model_config, mesh, data_parallel=data_parallel)
     if restored is not None or cfg.rollout.vllm.urls:
         # A server we start holds the base weights; one we connect to holds whatever it was last sent
         # (e.g. a previous run's policy): either way serve exactly this run's weights from the first step.
-        engine.push_weights(state.params, start_step)
+        push_params(engine, weights, state.params, start_step)
     io = make_io(cfg, workdir, checkpointer, start_step)
     if restored is not None:
         lora_setup.check_base(checkpointer, start_step, io.config_dict)
@@ -272,7 +275,7 @@ def build_run(
     evaluator = make_evaluator(cfg, sampler, eval_examples) if leader else NO_EVAL
     async_mode = leader and cfg.trainer.max_staleness > 0
     producer = make_producer(collector, cfg, start_step, extra) if async_mode else None
-    run = Run(cfg, sampler, train_part, collector, producer, evaluator, io)
+    run = Run(cfg, sampler, train_part, collector, producer, evaluator, io, weights)
     return run, state, start_step
 
 

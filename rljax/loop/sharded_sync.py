@@ -1,10 +1,13 @@
-"""The weight push of a multi-process job: every process stages (and with tcp/zmq serves) the shards it owns;
-the leader pushes them all in one update. Collectives: every process calls `push_sharded` at the same point.
+"""The snapshot of a multi-process job's weights: every process stages (and with tcp/zmq serves) the shards it
+owns; the leader pushes them all in one update. Collectives: every process calls `stage_sharded` at the same
+point, and every process ends the push at the same barrier (`with snapshot:`, `PushEnd`).
 
 Nothing is gathered: each element of the model is staged once across the job, by the process that owns
 it, and its bytes go from that process's host to each rollout node once (`weight_sync.served`). The
-canary's trainer side is the sharded training path itself, a collective the leader drives
-(`canary_collective`).
+canary's trainer side is the sharded training path itself, a collective: its question is fixed
+(`weight_sync.canary`, shared once from the leader's engine, `share_question`), so every process computes
+the answer when the snapshot is taken, and the leader's push needs nothing from the others but the
+barrier after it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from rljax.distributed import broadcast_tree, cast_params, is_leader, kv_client
+from rljax.distributed import barrier, cast_params, is_leader, kv_client
+from rljax.loop.snapshots import CanaryAnswers, StagedSnapshot, spec_key
+from rljax.weight_sync.canary import CanarySpec
+from rljax.weight_sync.staging import StagedBuckets
 
 BUCKETS_PER_PROCESS = 1 << 20  # process p numbers its buckets from p * this: one update lists them all
 _SHARE_TIMEOUT_MS = 600_000
@@ -66,60 +72,100 @@ class _Staged:
     seconds: float = 0.0
 
 
-def push_sharded(
+def stage_sharded(
     params,
     *,
     state: PushState,
     model_config,
     dtype,
     stager,
-    canary: Callable,
-    push: Callable | None,
+    scorer,
+    question: CanarySpec,
     keep: bool = False,
     serve: Callable | None = None,
-) -> dict:
-    """One weight push of a multi-process job; every process calls it at the same point.
+) -> StagedSnapshot:
+    """The snapshot of a multi-process job's params; every process calls it at the same point.
 
-    1. each process casts `params` to the serving `dtype` on device (`cast_params`: elementwise, no
+    1. the canary's trainer side: `scorer.dispatch(question)` (the sharded log-prob function of the
+       training path, a collective) starts on every process before anything is staged;
+    2. each process casts `params` to the serving `dtype` on device (`cast_params`: elementwise, no
        collective) and stages only the shards it owns (`rljax.models.iter_owned_hf_slices`: replica 0
        of every shard, mapped onto slices of the HF tensors) into its own bucket files (`stager`, a
        `weight_sync.staging.ShardStager`): each element once across the job, nothing all-gathered;
        with `serve` (tcp/zmq: `buckets -> weight_sync.served.ServedBuckets`) it also serves them from
        its own bucket server, so every bucket carries the address it is pulled from;
-    2. the bucket descriptors (metadata only) reach the leader through the jax.distributed key-value
-       store; the leader calls `push(StagedBuckets, trainer_logprobs)` (one update listing every bucket;
-       the worker assembles the slices); before it pauses the servers it waits until every process has
-       sent its buckets (`StagedBuckets.wait_sent`, through the key-value store);
-    3. the canary's trainer side is `canary(params)`, the sharded log-prob function of the training path,
-       a collective: the leader broadcasts each pair of token lists it scores and the other processes
-       follow (`_follow_canary`) until the leader says the push is over (also on failure);
-    4. every process removes its own bucket files (and stops its server); with `keep` (a run that may
-       recover: the leader re-pushes the last version's buckets alone, no collective) a push's files
-       and server stay in `state` until the next push succeeds.
-    Returns the leader's metrics (plus `weight_sync/staged_bytes_{max,min}_process`: tensor bytes one
-    process staged), {} elsewhere.
+    3. the bucket descriptors (metadata only) reach the leader through the jax.distributed key-value
+       store; the canary's answer comes back on every process (the collective's end);
+    4. the leader's snapshot lists every bucket (`StagedBuckets`, one update; the worker assembles the
+       slices); before the servers pause, its push waits until every process has sent its buckets
+       (`StagedBuckets.wait_sent`, through the key-value store). The other processes' snapshots push
+       nothing: their `with snapshot:` waits at the "push over" barrier (`PushEnd`), then each process
+       removes its own bucket files (and stops its server); with `keep` (a run that may recover: the
+       leader re-pushes the last version's buckets alone, no collective) a push's files and server stay
+       in `state` until the next push succeeds.
+    A process that failed to stage makes the leader raise (after the barrier); it raises its own error
+    at its barrier. The leader's snapshot adds `weight_sync/staged_bytes_{max,min}_process` (tensor bytes
+    one process staged) and `weight_sync/shard_stage_seconds` to its push's metrics.
     """
     key = state.next_key()
+    answer = scorer.dispatch(question.prompt_ids, question.completion_ids)
     own = _stage_own(params, model_config, dtype, stager, serve, key)
-    fn = canary(params)
-    pushed, result = False, {}
     try:
+        shared, error = _share(key, [b.descriptor() for b in own.mine], own.error), None
+    except Exception as e:  # noqa: BLE001 - raised after the canary's collective, which every process joins
+        shared, error = None, e
+    answers = CanaryAnswers({spec_key(question): _computed(answer())})
+    wait = _SentWait(key, own.served) if is_leader() and serve is not None else None
+    end = PushEnd(key, state, own, keep, wait)
+    if not is_leader():
+        return StagedSnapshot(None, answers, {}, end)
+    if error is not None:
+        end(False)
+        raise error
+    buckets, per_process = shared
+    metrics = {
+        "weight_sync/staged_bytes_max_process": float(max(per_process)),
+        "weight_sync/staged_bytes_min_process": float(min(per_process)),
+        "weight_sync/shard_stage_seconds": own.seconds,  # the leader's own cast + copy + write
+    }
+    return StagedSnapshot(StagedBuckets(buckets, per_process, wait), answers, metrics, end)
+
+
+def _computed(value: np.ndarray) -> Callable[[], np.ndarray]:
+    return lambda: value
+
+
+@dataclasses.dataclass
+class PushEnd:
+    """`self(pushed)`: the end of one sharded push on this process, once. The leader's `_SentWait` is
+    released (followers that were never asked stop waiting), every process meets at the "push over"
+    barrier, then this process's buckets are retired (kept for a recovery when `keep` and the push
+    went through here). A process that failed to stage raises its error after the barrier."""
+
+    key: str
+    state: PushState
+    own: _Staged
+    keep: bool
+    wait: _SentWait | None = None
+    done: bool = False
+
+    def __call__(self, pushed: bool) -> None:
+        if self.done:
+            return
+        self.done = True
         try:
-            shared = _share(key, [b.descriptor() for b in own.mine], own.error)
-        except Exception as e:  # noqa: BLE001 - the leader raises it inside the canary collective
-            shared = e
-        lead = _leader(push, shared, own, key, serve is not None) if is_leader() else None
-        result = canary_collective(fn, lead)
-        pushed = own.error is None
-    finally:
-        state.retire(own.units, keep=keep and pushed)
-        if own.error is not None and not is_leader():
-            raise own.error
-    return result
+            if self.wait is not None:
+                self.wait.release()
+            barrier(f"{self.key}/pushed")
+        finally:
+            ok = pushed and self.own.error is None
+            self.state.retire(self.own.units, keep=self.keep and ok)
+        if self.own.error is not None and not is_leader():
+            raise self.own.error
 
 
 def _stage_own(params, model_config, dtype, stager, serve: Callable | None, key: str) -> _Staged:
-    """Step 1 of `push_sharded` on this process: cast, stage (and serve) the shards it owns. A failure is
+    """Step 2 of `stage_sharded` on this process: cast, stage (and serve) the shards it owns. A failure is
     kept in the result (reported to the leader, raised after the collectives), not raised here."""
     from rljax import models
 
@@ -136,31 +182,6 @@ def _stage_own(params, model_config, dtype, stager, serve: Callable | None, key:
         own.error = e
     own.seconds = time.perf_counter() - t0
     return own
-
-
-def _leader(push: Callable | None, shared, own: _Staged, key: str, streamed: bool) -> Callable:
-    """The leader's side of the canary collective: `lead(logprobs)` pushes every process's buckets
-    (`shared`, or the exception that sharing them raised) and returns its metrics."""
-
-    def lead(logprobs) -> dict:
-        from rljax.weight_sync.staging import StagedBuckets
-
-        wait = _SentWait(key, own.served) if streamed else None
-        try:
-            if isinstance(shared, Exception):
-                raise shared
-            buckets, per_process = shared
-            metrics = push(StagedBuckets(buckets, per_process, wait), logprobs) if push else {}
-        finally:
-            if wait is not None:
-                wait.release()
-        return metrics | {
-            "weight_sync/staged_bytes_max_process": float(max(per_process)),
-            "weight_sync/staged_bytes_min_process": float(min(per_process)),
-            "weight_sync/shard_stage_seconds": own.seconds,  # the leader's own cast + copy + write
-        }
-
-    return lead
 
 
 def _report_sent(key: str, served) -> None:
@@ -241,59 +262,6 @@ def _share(key: str, descriptors: list[dict], error: BaseException | None):
     return buckets, tuple(per_process)
 
 
-_CANARY_LIKE = {
-    "more": np.zeros(1, np.int32),
-    "prompt": np.zeros(1, np.int32),
-    "completion": np.zeros(1, np.int32),
-}
-
-
-def _broadcast_canary(tokens: tuple | None) -> dict:
-    """The leader's canary request (`(prompt_ids, completion_ids)`, or None: the push is over) on every
-    process (a collective)."""
-    tree = None
-    if is_leader():
-        prompt, completion = tokens if tokens is not None else ([0], [0])
-        tree = {
-            "more": np.asarray([tokens is not None], np.int32),
-            "prompt": np.asarray(prompt, np.int32),
-            "completion": np.asarray(completion, np.int32),
-        }
-    return broadcast_tree(tree, _CANARY_LIKE)
-
-
-def canary_collective(fn: Callable, lead: Callable[[Callable], dict] | None) -> dict:
-    """The canary's trainer side as a collective: `fn(prompt_ids, completion_ids)` (the sharded training
-    path) needs every process. The leader returns `lead(logprobs)`, where each `logprobs` call is broadcast
-    first so the others join it (`_follow_canary`) until the leader says the push is over (also on
-    failure); the others (`lead` None) return {}."""
-    if jax.process_count() == 1:
-        return lead(fn) if lead is not None else {}
-    if lead is None:
-        _follow_canary(fn)
-        return {}
-    try:
-        return lead(_leading_canary(fn))
-    finally:
-        _broadcast_canary(None)
-
-
-def _leading_canary(fn: Callable) -> Callable:
-    def logprobs(prompt_ids, completion_ids):
-        _broadcast_canary((list(prompt_ids), list(completion_ids)))
-        return fn(prompt_ids, completion_ids)
-
-    return logprobs
-
-
-def _follow_canary(fn: Callable) -> None:
-    while True:
-        req = _broadcast_canary(None)
-        if not int(req["more"][0]):
-            return
-        fn(req["prompt"].tolist(), req["completion"].tolist())
-
-
 def single_host() -> bool:
     """True when every process of the job runs on this host (hostnames compared through the
     jax.distributed key-value store; every process calls it once, at start-up). With `shm` the servers
@@ -311,3 +279,17 @@ def single_host() -> bool:
         for p in range(jax.process_count())
     }
     return len(names) == 1
+
+
+def share_question(spec: CanarySpec | None) -> CanarySpec:
+    """The canary's question on every process: the leader's engine made it (`spec`; None elsewhere), the
+    others read it from the key-value store. Every process calls it once, at start-up."""
+    if jax.process_count() == 1:
+        return spec
+    client = kv_client()
+    if is_leader():
+        tokens = [list(map(int, spec.prompt_ids)), list(map(int, spec.completion_ids))]
+        client.key_value_set("rljax/canary", json.dumps(tokens), allow_overwrite=True)
+        return spec
+    prompt, completion = json.loads(client.blocking_key_value_get("rljax/canary", _SHARE_TIMEOUT_MS))
+    return CanarySpec(tuple(prompt), tuple(completion))

@@ -18,6 +18,7 @@ from rljax.config import Config
 from rljax.distributed import barrier, broadcast_tree, is_leader, to_host
 from rljax.loop import rollout_phase
 from rljax.loop.async_rollout import AsyncProducer
+from rljax.loop.engine import push_params
 from rljax.loop.evaluation import Evaluator, eval_due
 from rljax.loop.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from rljax.loop.rollout_phase import Collector
@@ -26,7 +27,7 @@ from rljax.metrics import device_memory_gb, host_memory_gb, peak_flops
 from rljax.metrics.parameters import write_parameter_overview
 from rljax.metrics.profile import StepProfiler, profile_dir
 from rljax.models import ModelConfig
-from rljax.sampling import Engine, SamplingOptions
+from rljax.sampling import Engine, SamplingOptions, Weights
 from rljax.trainer.flops import matmul_params, update_flops
 from rljax.trainer.state import TrainState
 from rljax.trajectory import Group
@@ -73,7 +74,9 @@ def loop(
                 state, update_metrics = run.trainer.update(state, sharded, run.trainer.ref_params)
             with timer.phase("weight_sync"):
                 served_now = eval_due(cfg, version) or version == cfg.trainer.steps
-                sync_metrics = sync_weights(run.sampler.engine, run.producer, state, version, served_now)
+                sync_metrics = sync_weights(
+                    run.sampler.engine, run.weights, run.producer, state, version, served_now
+                )
             metrics = rollout_metrics | batch_metrics | update_metrics | sync_metrics
             metrics["policy/version"] = float(version)
             if eval_due(cfg, version):
@@ -134,23 +137,30 @@ def make_batch(
 
 
 def sync_weights(
-    engine: Engine, producer: AsyncProducer | None, state: TrainState, version: int, served_now: bool
+    engine: Engine,
+    weights: Weights,
+    producer: AsyncProducer | None,
+    state: TrainState,
+    version: int,
+    served_now: bool,
 ) -> dict:
     """Serves `state.params` as policy `version`; the async producer may then run ahead from it.
 
-    Sync mode (and multi-process runs): delivered before this returns. Async mode in one process: the
-    trainer's side is done here and the rest is delivered in the background (`engine.start_push`), the
-    producer told when it is served; `served_now` (an evaluation or the run's end follows) waits for it.
-    Returns the weight_sync/* of the pushes delivered since the previous step (async: usually the
-    previous step's)."""
+    The push goes one way: `weights.snapshot(params)` (the trainer's side), then the engine pushes that
+    snapshot. Sync mode (and multi-process runs): delivered before this returns (`push_params`). Async
+    mode in one process: the snapshot's trainer side is done here and the rest is delivered in the
+    background (`engine.start_push`), the producer told when it is served; `served_now` (an evaluation
+    or the run's end follows) waits for it. Returns the weight_sync/* of the pushes delivered since the
+    previous step (async: usually the previous step's)."""
     if producer is not None:
         producer.await_generator_of(version)
     if producer is None or jax.process_count() > 1:
-        metrics = engine.push_weights(state.params, version)
+        metrics = push_params(engine, weights, state.params, version)
         if producer is not None:
             producer.set_version(version)
         return metrics
-    engine.start_push(state.params, version, on_served=producer.set_version)
+    with weights.snapshot(state.params) as snapshot:
+        engine.start_push(snapshot, version, on_served=producer.set_version)
     if served_now:
         engine.wait_pushed()
     return engine.pushed_metrics()

@@ -2,7 +2,8 @@
 the one trainer-side boundary to vLLM (generation, weight push, recovery)."""
 
 from rljax.rollout.client import ClientOptions, Completion, RolloutClient, RolloutError
-from rljax.rollout.engine import RolloutEngine, StateDictWeights
+from rljax.rollout.engine import RolloutEngine
+from rljax.rollout.pushing import HostSnapshot, HostWeights, Snapshot
 from rljax.rollout.recovery import EngineCrashError, RecoveryExhaustedError
 from rljax.rollout.server import ServerError, ServerOptions, VLLMServer, free_port, served_model_name
 from rljax.weight_sync.gate import PolicyGate
@@ -18,7 +19,9 @@ __all__ = [
     "RolloutError",
     "ServerError",
     "ServerOptions",
-    "StateDictWeights",
+    "HostSnapshot",
+    "HostWeights",
+    "Snapshot",
     "VLLMServer",
     "free_port",
     "served_model_name",

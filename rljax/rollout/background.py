@@ -2,10 +2,10 @@
 
 In async mode (`trainer.max_staleness` >= 1) the producer keeps generating from the served version while
 the trainer updates, so nothing on the trainer's side needs the new weights served before its next
-update. `BackgroundPush.start(params, version)` therefore does on the trainer's thread only what needs the
-trainer's arrays (the next update donates them): the canary's trainer side (`EarlyCanary`'s forward,
-dispatched when the push began) and a host copy of the weights in the serving dtype (the snapshot's
-`keep()`, the copy a recovery re-pushes anyway). Staging, the pause, the load, the canary's server side,
+update. `BackgroundPush.start(snapshot, version)` therefore does on the trainer's thread only what needs
+the trainer's arrays (the next update donates them): the snapshot's `keep()`, a host copy of the weights in
+the serving dtype (the copy a recovery re-pushes anyway) with the canary's trainer side waited for (its
+forward was dispatched when the snapshot was taken). Staging, the pause, the load, the canary's server side,
 the version check and any recovery then run on one background thread; `on_served(version)` (the
 producer's `set_version`) is called once the servers serve the new version, verified.
 
@@ -24,36 +24,27 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from rljax.metrics.values import combine_metrics
-from rljax.weight_sync.canary import CanarySpec
 
 log = logging.getLogger(__name__)
 
 
 class BackgroundPush:
-    """`start(params, version, on_served)`, `wait()`, `metrics()`, `close()` over an engine's weights.
+    """`start(snapshot, version, on_served)`, `wait()`, `metrics()`, `close()`.
 
-    `source_push(params, push)`: the engine's weight source (`WeightSource.push` with the canary bound);
-    `deliver(snapshot, version) -> metrics`: the engine's verified push of a snapshot, with recovery;
-    `canary`: the question the push's check will ask.
+    `deliver(snapshot, version) -> metrics`: the engine's verified push of a snapshot, with recovery
+    (`rljax.rollout.pushing.WeightPush.push`).
     """
 
-    def __init__(self, source_push: Callable, deliver: Callable, canary: CanarySpec):
-        self._source_push, self._deliver, self._canary = source_push, deliver, canary
+    def __init__(self, deliver: Callable):
+        self._deliver = deliver
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rljax-push")
         self._pending: Future | None = None
         self._delivered: list[dict[str, float]] = []
 
-    def start(self, params: Any, version: int, on_served: Callable[[int], None] | None = None) -> None:
+    def start(self, snapshot: Any, version: int, on_served: Callable[[int], None] | None = None) -> None:
         self.wait()
-
-        def hand_off(snapshot) -> dict:
-            # the trainer side, from these params (its forward is done)
-            snapshot.logprobs(self._canary.prompt_ids, self._canary.completion_ids)
-            kept = snapshot.keep()()  # host copy: the next update donates the params
-            self._pending = self._pool.submit(self._run, kept, version, on_served)
-            return {}
-
-        self._source_push(params, hand_off)
+        kept = snapshot.keep()  # host copy and the canary's answers: the next update donates the params
+        self._pending = self._pool.submit(self._run, kept, version, on_served)
 
     def _run(self, snapshot, version: int, on_served) -> dict[str, float]:
         metrics = self._deliver(snapshot, version)

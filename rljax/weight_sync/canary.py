@@ -14,7 +14,7 @@ at temperature 1, no truncation):
 
 The trainer scores `prompt + completion` once, which covers both probes (its first value is probe 1's).
 The question never depends on the server's answer, so the trainer's forward can start before the push
-(`rljax.loop.engine.EarlyCanary`). The prompt spans 2 full KV blocks of the servers' block size (read
+(`rljax.loop.snapshots.CanaryAnswers`). The prompt spans 2 full KV blocks of the servers' block size (read
 from their `/metrics`, `server_block_size`) so probe 1 really hits the cache; a short prompt keeps the
 trainer's forward cheap (vLLM's CPU default of 128 costs a 512-token bucket). Failure raises
 `CanaryError` with the max / mean absolute differences.

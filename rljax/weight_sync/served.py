@@ -1,6 +1,6 @@
 """One trainer process's own bucket server (sharded staging over tcp/zmq): nothing reaches a leader's host.
 
-In a multi-process job every process stages only the shards it owns (`loop.sharded_sync.push_sharded`).
+In a multi-process job every process stages only the shards it owns (`loop.sharded_sync.stage_sharded`).
 With a streaming transport each process also serves those buckets itself: `serve_buckets` starts a
 fresh bucket server for the push (its own token and receive-directory id) on this host's address among
 `rollout.weight_sync.tcp_host` (`transports.local_address`), and stamps its `source` on each bucket, so

@@ -1,6 +1,6 @@
 """Trainer side of a weight sync: stage -> pause -> load through vLLM's RL endpoints -> verify -> resume.
 
-One `WeightSyncer.push_weights(tensors, version, trainer_logprobs)` call (the engine's push, one level down;
+One `WeightSyncer.push_weights(tensors, version, trainer_logprobs)` call (a snapshot's push, one level down;
 `push_staged` for buckets every process of a job staged already, `weight_sync.staging.StagedBuckets`):
 
 1. stage: `tensors` (e.g. `rljax.models.iter_hf_tensors(config, params)`) into bucket files

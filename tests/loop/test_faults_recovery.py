@@ -155,9 +155,9 @@ def test_engine_one_recovery_for_concurrent_failures_and_resubmits_both():
     # generation was refused while the restarted server served only its checkpoint; open again after
     assert server.gate_while_restarting == ["restarting http://fake; serving again after the re-push"]
     assert engine.gate.broken is None
-    stats = engine._drain_stats()
+    stats = engine.recovery.drain()
     assert stats["recovery/restarts"] == 1.0 and stats["recovery/resubmitted"] == 4.0
-    assert engine._drain_stats()["recovery/restarts"] == 0.0  # drained per push
+    assert engine.recovery.drain()["recovery/restarts"] == 0.0  # drained per push
 
 
 def test_without_restarts_the_error_is_raised_as_it_is():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rljax.loop import sharded_sync
-from rljax.loop.engine import _Memo, _StagedSnapshot
+from rljax.loop.snapshots import CanaryAnswers, StagedSnapshot, question_key
 from rljax.weight_sync import WeightSyncError
 from rljax.weight_sync.staging import StagedBuckets
 
@@ -18,20 +18,20 @@ class _Bucket:
         self.unlinked = True
 
 
-def test_memo_scores_once_and_its_frozen_copy_answers_only_what_the_push_asked():
+def test_answers_score_once_and_their_frozen_copy_answers_only_what_the_push_asked():
     calls = []
 
     def scorer(prompt, completion):
         calls.append((list(prompt), list(completion)))
         return np.asarray([float(sum(prompt) + sum(completion))])
 
-    memo = _Memo(scorer)
+    memo = CanaryAnswers({question_key([9], [9]): lambda: np.asarray([18.0])}, scorer)
     assert memo([1, 2], [3])[0] == 6.0 and memo((1, 2), (3,))[0] == 6.0  # lists and tuples: one key
     assert calls == [([1, 2], [3])]
     staged = StagedBuckets(["bucket"], (1,), wait_sent=lambda copies, timeout_s: True)
-    kept = _StagedSnapshot(staged=staged, logprobs=memo).keep()()
+    kept = StagedSnapshot(staged=staged, logprobs=memo, metrics={}).keep()
     assert kept.staged.buckets == ["bucket"] and kept.staged.wait_sent is None
-    assert kept.logprobs([1, 2], [3])[0] == 6.0
+    assert kept.logprobs([1, 2], [3])[0] == 6.0 and kept.logprobs([9], [9])[0] == 18.0  # pending: waited
     with pytest.raises(WeightSyncError, match="did not see"):
         kept.logprobs([1, 2], [4])  # a different greedy answer: the re-push cannot be verified
     assert len(calls) == 1  # the frozen copy never calls the (collective) scorer

@@ -41,6 +41,16 @@ class Engine:
         return {"weight_sync/bytes": 8.0}
 
 
+class Weights:
+    """Params as their own snapshot (the fake engine reads them)."""
+
+    def snapshot(self, params):
+        return contextlib.nullcontext(params)
+
+    def close(self):
+        pass
+
+
 class Checkpoints:
     """Records saves (step, state step, extra); orbax itself is tested in tests/test_checkpoint*.py."""
 
@@ -95,7 +105,7 @@ def make_run(cfg: Config, workdir, start: int) -> Run:
     collector = dataclasses.replace(make_collector(cfg, sampler, prompts), generate=generate)
     logger, status = make_writers(cfg, str(workdir), 0)
     io = RunIO(str(workdir), logger, status, Checkpoints(), PhaseTimer(), {})
-    return Run(cfg, sampler, trainer, collector, None, NO_EVAL, io)
+    return Run(cfg, sampler, trainer, collector, None, NO_EVAL, io, Weights())
 
 
 def test_loop_threads_the_state_through_the_phases(tmp_path):

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from rljax.rollout.background import BackgroundPush
-from rljax.weight_sync.canary import CanarySpec
 
 QUESTION = ([1, 2, 3], [4, 5])
 
 
 class Snapshot:
-    """Records which thread asked the canary question and made the host copy."""
+    """Records which thread answered the canary question and made the host copy (both in `keep`, as the
+    loop's snapshots do: `rljax.loop.snapshots`)."""
 
     def __init__(self, params: np.ndarray, log: list):
         self.params, self.log = params, log
@@ -26,16 +26,26 @@ class Snapshot:
         return np.zeros(len(completion_ids), np.float32)
 
     def keep(self):
+        self.logprobs(*QUESTION)  # the canary's trainer side, waited for
         self.log.append(("keep", threading.current_thread().name))
-        kept = Snapshot(self.params.copy(), self.log)
-        return lambda: kept
+        return Snapshot(self.params.copy(), self.log)
+
+
+class Push:
+    """`BackgroundPush` started from params, as the loop does: a snapshot of them, then `start`."""
+
+    def __init__(self, deliver, log):
+        self.push, self.log = BackgroundPush(deliver), log
+
+    def start(self, params, version, on_served=None):
+        self.push.start(Snapshot(params, self.log), version, on_served)
+
+    def __getattr__(self, name):
+        return getattr(self.push, name)
 
 
 def make(deliver, log):
-    def source_push(params, push):  # a WeightSource: hands the engine a snapshot of `params`
-        return push(Snapshot(params, log))
-
-    return BackgroundPush(source_push, deliver, CanarySpec(*map(tuple, QUESTION)))
+    return Push(deliver, log)
 
 
 def test_trainer_side_runs_on_the_callers_thread_and_the_delivery_behind_it():

@@ -17,7 +17,7 @@ from faults import kill_when_running
 from vllm_server import TEST_SERVER_OPTIONS, TorchReference, perturbed
 
 from rljax.config import Config, ConfigError, validate
-from rljax.rollout import ClientOptions, RolloutClient, RolloutEngine, StateDictWeights
+from rljax.rollout import ClientOptions, HostWeights, RolloutClient, RolloutEngine
 from rljax.rollout.auth import bearer_headers
 from rljax.rollout.client import _Queues, least_loaded, progress_count
 from rljax.rollout.server import ServerOptions, server_command
@@ -111,7 +111,6 @@ def two_servers(tmp_path_factory):
         tmp_path_factory.mktemp("multi"),
         replicas=2,
         server_options=TEST_SERVER_OPTIONS,
-        weights=StateDictWeights(ref.logprobs),
         max_restarts=2,
     )
     try:
@@ -123,7 +122,7 @@ def two_servers(tmp_path_factory):
 def _push(engine, ref, version: int, seed: int) -> dict:
     state = perturbed(ref.state(), seed=seed)
     ref.load(state)
-    return engine.push_weights(state.items(), version)
+    return engine.push_weights(HostWeights(ref.logprobs).snapshot(state.items()), version)
 
 
 def _assert_every_server_serves(engine, ref, version: int) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from vllm_server import TEST_SERVER_OPTIONS
 
-from rljax.rollout import EngineCrashError, RolloutEngine, StateDictWeights, VLLMServer
+from rljax.rollout import EngineCrashError, RolloutEngine, VLLMServer
 from rljax.rollout.crashes import crash_cause, prefill_args
 from rljax.rollout.server import ServerOptions, server_command
 
@@ -114,7 +114,7 @@ def _long_seeded_prompts(vocab: int) -> list[list[int]]:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_defaults_crash_and_the_run_stops_within_one_restart(tmp_path):
-    from vllm_server import ARITH_MODEL, TorchReference
+    from vllm_server import ARITH_MODEL
 
     # vLLM's own behaviour: chunked prefill on (cpu_build=False: no rljax flags) and a small budget.
     options = ServerOptions(
@@ -124,10 +124,7 @@ def test_vllm_defaults_crash_and_the_run_stops_within_one_restart(tmp_path):
         max_model_len=TEST_SERVER_OPTIONS.max_model_len,
     )
     server = VLLMServer(ARITH_MODEL, tmp_path, options=options).start()
-    ref = TorchReference(ARITH_MODEL)
-    engine = RolloutEngine.connect(
-        [server.url], ARITH_MODEL, servers=[server], weights=StateDictWeights(ref.logprobs), max_restarts=3
-    )
+    engine = RolloutEngine.connect([server.url], ARITH_MODEL, servers=[server], max_restarts=3)
     try:
         with pytest.raises(EngineCrashError, match="CPU Generator does not use offset") as err:
             engine.generate(_long_seeded_prompts(500), n=2, temperature=1.0, max_tokens=4, seed=7)

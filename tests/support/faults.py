@@ -1,19 +1,19 @@
 """Test-only fault injection at the vLLM boundary: real SIGKILLs of the rollout servers, timed by call count.
 
-Nothing in `rljax/` knows about it. `install(plan)` wraps `RolloutEngine`'s methods in this process (the
-fault suite's `fault_main.py` does it before `rljax.main.run`):
+Nothing in `rljax/` knows about it. `FaultyEngine(engine, plan)` is an `rljax.sampling.Engine` that wraps a
+`RolloutEngine` and injects the plan's faults through the engine's public calls (the fault suite's
+`fault_main.py` wraps the engine `rljax.loop.engine.make_engine` builds):
 
-- `kill_server_mid_generate:N` SIGKILLs the servers once the N-th `generate` call's first attempt has
-  requests running or waiting (vLLM `/metrics`), or at the latest when its first answer reaches the
-  client (before the client sees it: a generation that ends between two scrapes of the gauge is still
-  killed, so the fault always lands on call N). A killed attempt fails with `RolloutError` even when its
-  last request was answered just before the kill landed, so the engine's recovery (restart, re-push,
-  resubmit) always runs.
+- `kill_server_mid_generate:N` SIGKILLs the servers once the N-th `generate` call has requests running or
+  waiting (vLLM `/metrics`), or at the latest when the call's answers came back (a generation that ends
+  between two scrapes of the gauge is still killed, so the fault always lands on call N). A call whose
+  answers came back before the kill landed is submitted again, as if its attempt had failed: the
+  engine's recovery (restart, re-push, resubmit) always runs.
 - `kill_server_mid_sync:N` SIGKILLs them halfway through the tensors of the N-th weight push's first
-  attempt: a `push_weights` call, or an async-mode `start_push` delivered in the background (both go
-  through `RolloutEngine._push_snapshot`, on whichever thread delivers the push).
+  attempt (`KillingSnapshot`): a `push_weights` call, or an async-mode `start_push` delivered in the
+  background (on whichever thread delivers the push).
 
-Calls are counted per process, over every engine; the recovery's own re-pushes are not counted.
+Calls are counted per plan; the recovery's own re-pushes are not counted.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from collections.abc import Iterator
 import requests
 
 from rljax.rollout.auth import bearer_headers
-from rljax.rollout.client import RolloutClient, RolloutError
-from rljax.rollout.engine import RolloutEngine
 
 log = logging.getLogger("rljax.test_faults")
 FAULTS = {"kill_server_mid_generate": "generate", "kill_server_mid_sync": "push"}
@@ -108,74 +106,73 @@ def kill_halfway(tensors: list[tuple[str, object]], servers) -> Iterator[tuple[s
         yield item
 
 
-@dataclasses.dataclass(frozen=True)
 class KillingSnapshot:
-    """A snapshot whose tensors SIGKILL the servers halfway through."""
+    """A snapshot whose first push SIGKILLs the servers halfway through its tensors (a host-tensor snapshot:
+    `tensors()` and `logprobs`); its later pushes (a recovery's) and its kept copies push as `inner` does.
+    `attempts`: the thread of each push; `ended` is set once the killing push ended."""
 
-    inner: object
-    servers: list
-
-    def tensors(self):
-        return kill_halfway(list(self.inner.tensors()), self.servers)
+    def __init__(self, inner, servers, fired: threading.Event | None = None, ended=None):
+        self.inner, self.servers = inner, list(servers)
+        self.fired = fired if fired is not None else threading.Event()
+        self.ended = ended if ended is not None else threading.Event()
+        self.attempts: list[str] = []
 
     def push(self, syncer, version: int) -> dict:
-        return syncer.push_weights(self.tensors(), version, self.inner.logprobs)
+        self.attempts.append(threading.current_thread().name)
+        if self.fired.is_set():
+            return self.inner.push(syncer, version)
+        self.fired.set()
+        try:
+            tensors = kill_halfway(list(self.inner.tensors()), self.servers)
+            return syncer.push_weights(tensors, version, self.inner.logprobs)
+        finally:
+            self.ended.set()
+
+    def keep(self) -> KillingSnapshot:
+        kept = KillingSnapshot(self.inner.keep(), self.servers, self.fired, self.ended)
+        kept.attempts = self.attempts  # async mode: the kept copy is the one pushed
+        return kept
+
+    def __enter__(self):
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+
+class FaultyEngine:
+    """`engine` (a `RolloutEngine`) with `plan`'s faults: counts `generate` calls and weight pushes and
+    kills the servers on the planned ones (see the module docstring). Everything else is `engine`'s."""
+
+    def __init__(self, engine, plan: FaultPlan):
+        self.engine, self.plan = engine, plan
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        return getattr(self.engine, name)
 
-
-def install(plan: FaultPlan) -> None:
-    """Wraps `RolloutEngine.generate`/`_push_snapshot` (count calls, arm this thread's next attempt) and
-    their one-attempt methods (inject the armed fault) for the rest of this process. A push is counted
-    where it is delivered, so a background push arms the thread that makes its attempts."""
-    armed = threading.local()
-    # the killer of the generate attempt in flight (the client's event-loop thread reads it)
-    killing: list[dict] = []
-    generate, push = RolloutEngine.generate, RolloutEngine._push_snapshot
-    generate_attempt, push_attempt = RolloutEngine._generate_attempt, RolloutEngine._push_attempt
-    post = RolloutClient._post
-
-    def counted(method, op):
-        def wrapper(self, *args, **kwargs):
-            armed.faults = plan.next_call(op)
-            return method(self, *args, **kwargs)
-
-        return wrapper
-
-    def faulty_generate_attempt(self, prompts, sampling):
-        faults, armed.faults = getattr(armed, "faults", set()), set()
-        if "kill_server_mid_generate" not in faults:
-            return generate_attempt(self, prompts, sampling)
-        done = threading.Event()
-        killer = kill_when_running(self.servers, done)
-        killing.append(killer)
+    def generate(self, prompts, **sampling):
+        if "kill_server_mid_generate" not in self.plan.next_call("generate"):
+            return self.engine.generate(prompts, **sampling)
+        epoch, done = self.engine.recovery.epoch, threading.Event()
+        killer = kill_when_running(self.engine.servers, done)
         try:
-            out = generate_attempt(self, prompts, sampling)
+            out = self.engine.generate(prompts, **sampling)
         finally:
-            killing.remove(killer)
+            killer["kill"]("its answers came back")  # not killed while running: now
             done.set()
             killer["thread"].join()
-            if not killer["killed"]:
-                plan.postpone("kill_server_mid_generate")
-        if killer["killed"]:  # its last request may have been answered just before the kill landed
-            raise RolloutError("test faults: the server was killed during this generate call")
+        if self.engine.recovery.epoch == epoch:  # its answers came back before the kill landed
+            out = self.engine.generate(prompts, **sampling)  # fails on the dead servers and recovers
         return out
 
-    def faulty_push_attempt(self, snapshot, version):
-        faults, armed.faults = getattr(armed, "faults", set()), set()
-        if "kill_server_mid_sync" in faults:
-            snapshot = KillingSnapshot(snapshot, self.servers)
-        return push_attempt(self, snapshot, version)
+    def push_weights(self, snapshot, version: int) -> dict:
+        return self.engine.push_weights(self._armed(snapshot), version)
 
-    async def post_then_kill(session, url, body):
-        data = await post(session, url, body)
-        for killer in list(killing):
-            killer["kill"]("its first answer came back")
-        return data
+    def start_push(self, snapshot, version: int, on_served=None) -> None:
+        self.engine.start_push(self._armed(snapshot), version, on_served)
 
-    RolloutClient._post = staticmethod(post_then_kill)
-    RolloutEngine.generate = counted(generate, "generate")
-    RolloutEngine._push_snapshot = counted(push, "push")
-    RolloutEngine._generate_attempt = faulty_generate_attempt
-    RolloutEngine._push_attempt = faulty_push_attempt
+    def _armed(self, snapshot):
+        if "kill_server_mid_sync" in self.plan.next_call("push"):
+            return KillingSnapshot(snapshot, self.engine.servers)
+        return snapshot

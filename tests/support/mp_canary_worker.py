@@ -3,11 +3,11 @@ test_canary_single_path.py).
 
 Usage: python mp_canary_worker.py PROCESS_ID PORT CKPT OUT_DIR
 Counts every call into the training path's log-prob function (`rljax.trainer.make_logprob_fn`'s
-result) and pushes through both multi-process layouts of `rljax.loop.engine`'s `ShardedJaxWeights`:
-each process serving its own buckets over tcp (trainers on several hosts) and mapped files (one host),
-with a leader-side push that asks the canary's trainer side for tokens the leader names (the
-collective follows whatever it asks), then the kept
-snapshot's answers (a recovery's re-push). Each process writes its counts and the leader's answers
+result) and takes snapshots through both multi-process layouts of `rljax.loop.engine`'s
+`ShardedJaxWeights`: each process serving its own buckets over tcp (trainers on several hosts) and mapped
+files (one host). The canary's question is fixed, so every process answers it together when the snapshot
+is taken; the leader then reads the answer (what check_canary asks) and the kept snapshot's answer (a
+recovery's re-push). Each process writes its counts and the leader's answers
 to OUT_DIR/canary<i>.pkl.
 """
 
@@ -45,11 +45,11 @@ def main(process_id: int, port: int, ckpt: str, out_dir: str) -> None:
     model_config, params = models.load_hf_checkpoint(ckpt, mesh=mesh)
     canary = engine.make_canary_logprobs(cfg, model_config, mesh, data_parallel=4)
     spec = make_canary(model_config.vocab_size, prompt_len=20, completion_len=6)
-    server_tokens = [(spec.completion_ids[0] + 1) % model_config.vocab_size, *spec.completion_ids[1:]]
+    prompt, completion = list(spec.prompt_ids), list(spec.completion_ids)
     spec_hf = models.hf_tensor_specs(model_config)
     stager = ShardStager(DEFAULT_STAGING_DIR, bucket_bytes=64 * 1024, checksums=True, spec=spec_hf)
     serve = functools.partial(served.serve_buckets, transport="tcp", hosts="127.0.0.1", timeout_s=30)
-    sharded = engine.ShardedJaxWeights(engine.JaxWeights(model_config, canary), stager, max_restarts=1)
+    sharded = engine.ShardedJaxWeights(engine.JaxWeights(model_config, canary, spec), stager, max_restarts=1)
     layouts = {  # trainers on several hosts serve their own buckets (tcp); on one host the servers map them
         "multi_host": dataclasses.replace(sharded, serve=serve),
         "one_host": sharded,
@@ -57,21 +57,18 @@ def main(process_id: int, port: int, ckpt: str, out_dir: str) -> None:
     out = {"calls": {}, "answers": {}, "kept": {}}
     for name, weights in layouts.items():
         seen = {}
-
-        def push(snapshot, seen=seen):  # the leader's side: what check_canary asks
-            seen["answer"] = np.asarray(snapshot.logprobs(list(spec.prompt_ids), server_tokens))
-            seen["kept"] = snapshot.keep()
-            return {}
-
         before = len(calls)
-        weights.push(params, spec, push if process_id == 0 else None)
+        with weights.snapshot(params) as snapshot:  # every process: its shards and the canary's answer
+            if process_id == 0:  # the leader's push: what check_canary asks, what the engine keeps
+                seen["answer"] = np.asarray(snapshot.logprobs(prompt, completion))
+                seen["kept"] = snapshot.keep()
         out["calls"][name] = len(calls) - before
         if process_id == 0:
             out["answers"][name] = seen["answer"]
             before = len(calls)  # a recovery: the leader alone, no collective, no new forward
-            out["kept"][name] = np.asarray(seen["kept"]().logprobs(list(spec.prompt_ids), server_tokens))
+            out["kept"][name] = np.asarray(seen["kept"].logprobs(prompt, completion))
             out["calls"][name + "_recovery"] = len(calls) - before
-    direct = canary(params)(list(spec.prompt_ids), server_tokens)  # a collective: both processes
+    direct = canary(params)(prompt, completion)  # a collective: both processes
     out["direct"] = np.asarray(direct)
     weights.close()
     C.save_pickle(out, os.path.join(out_dir, f"canary{process_id}.pkl"))

@@ -68,7 +68,8 @@ def main(process_id: int, port: int, ckpt: str, url: str, token_file: str, out_d
     from jax.experimental import multihost_utils
 
     from rljax import models
-    from rljax.loop.engine import Follower, JaxWeights, ShardedJaxWeights, make_canary_logprobs
+    from rljax.loop.engine import Follower, JaxWeights, ShardedJaxWeights, make_canary_logprobs, push_params
+    from rljax.loop.sharded_sync import share_question
     from rljax.rollout import RolloutEngine
     from rljax.rollout.auth import read_token_file
     from rljax.weight_sync import SyncOptions, served
@@ -80,30 +81,28 @@ def main(process_id: int, port: int, ckpt: str, url: str, token_file: str, out_d
     canary = make_canary_logprobs(cfg, model_config, mesh, data_parallel=4)
     spec = models.hf_tensor_specs(model_config)
     stager = ShardStager(DEFAULT_STAGING_DIR, bucket_bytes=64 * 1024, checksums=True, spec=spec)
-    weights = ShardedJaxWeights(JaxWeights(model_config, canary), stager, max_restarts=1)
     engine = None
     if process_id == 0:
         token = read_token_file(token_file)
         sync = SyncOptions(checksums=True)
-        engine = RolloutEngine.connect(
-            [url], ckpt, weights=weights, sync_options=sync, token=token, max_restarts=1
-        )
-    loop = engine if engine is not None else Follower(weights)
-    results = [loop.push_weights(params, 1)]
+        engine = RolloutEngine.connect([url], ckpt, sync_options=sync, token=token, max_restarts=1)
+    loop = engine if engine is not None else Follower()
+    question = share_question(engine.canary if engine is not None else None)
+    weights = ShardedJaxWeights(JaxWeights(model_config, canary, question), stager, max_restarts=1)
+    results = [push_params(loop, weights, params, 1)]
     serve = functools.partial(
         served.serve_buckets, transport="tcp", hosts="10.255.255.1,127.0.0.1", timeout_s=30
     )
     weights = dataclasses.replace(weights, serve=serve)  # each process serves its own (the first host is not
     if engine is not None:  # this machine's: every process binds the address of its own host, 127.0.0.1)
         engine.syncer.options = dataclasses.replace(engine.syncer.options, transport="tcp")
-        engine.weights = weights
-    loop = engine if engine is not None else Follower(weights)
     params2 = perturbed(params, seed=8)
-    results.append(loop.push_weights(params2, 2))
+    with weights.snapshot(params2) as snapshot:
+        results.append(loop.push_weights(snapshot, 2))
+        kept = snapshot.keep() if engine is not None else None  # what the engine keeps for a recovery
     sent = sum(u.bytes_sent() for u in weights.state.kept)  # this process's server, the tcp push
     if engine is not None:  # a recovery's re-push: the leader alone, the kept files and canary answers
-        kept, version = engine._current
-        results.append(engine._push_attempt(kept(), version))
+        results.append(engine.pusher.attempt(kept, 2))
     hlo = cast_hlo_facts(params2)
     run_dir = stager._run_dir.path
     leftover = sorted(f for f in os.listdir(run_dir) if not f.startswith("."))
@@ -128,6 +127,7 @@ def main(process_id: int, port: int, ckpt: str, url: str, token_file: str, out_d
             os.path.join(out_dir, "result1.pkl"),
         )
     loop.close()
+    weights.close()
     assert not os.path.exists(run_dir), run_dir  # closing removes the staging directory
     multihost_utils.sync_global_devices("done")
 

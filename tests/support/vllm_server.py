@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from shared import Shared
 
-from rljax.rollout import RolloutEngine, ServerOptions, StateDictWeights
+from rljax.rollout import HostWeights, RolloutEngine, ServerOptions
 from rljax.weight_sync import SyncOptions
 from rljax.weight_sync.canary import server_prompt_logprobs
 
@@ -92,6 +92,11 @@ class Served:
     def server(self):
         return self.engine.servers[0]
 
+    @property
+    def weights(self) -> HostWeights:
+        """Host tensors with the reference as the canary's trainer side: `weights.snapshot(items)`."""
+        return HostWeights(self.ref.logprobs)
+
     def push(self, state: dict[str, np.ndarray], version: int, **sync_kwargs) -> dict:
         """Pushes `state` as `version` with the reference as the canary's trainer side."""
         self.ref.load(state)
@@ -99,7 +104,7 @@ class Served:
         if sync_kwargs:
             syncer.options = dataclasses.replace(syncer.options, **sync_kwargs)
         try:
-            return self.engine.push_weights(state.items(), version)
+            return self.engine.push_weights(self.weights.snapshot(state.items()), version)
         finally:
             syncer.options = SyncOptions()
 
@@ -107,7 +112,7 @@ class Served:
         """Restarts a killed server and re-pushes the reference weights after a failed sync."""
         if not self.server.healthy() or self.engine.gate.broken:
             self.engine.restart_unhealthy()
-            self.engine.push_weights(self.ref.state().items(), self.engine.version)
+            self.engine.push_weights(self.weights.snapshot(self.ref.state().items()), self.engine.version)
 
 
 _FAMILIES = {"qwen2": {}, "llama": {"tie_word_embeddings": False}}  # qwen2 tied: vLLM's stale lm_head bug
@@ -128,9 +133,7 @@ def _spawn_families(root: pathlib.Path, families: tuple[str, ...]) -> dict[str, 
         for family, (server, path) in spawned.items():
             server.wait_healthy(TEST_SERVER_OPTIONS.startup_timeout_s)
             ref = TorchReference(path)
-            engine = RolloutEngine.connect(
-                [server.url], path, servers=[server], weights=StateDictWeights(ref.logprobs)
-            )
+            engine = RolloutEngine.connect([server.url], path, servers=[server])
             served[family] = Served(engine, ref, path)
         return served
     except BaseException:

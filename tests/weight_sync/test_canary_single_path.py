@@ -3,8 +3,8 @@ compute dtype, `trainer.logprob_impl`, sharded params) and nothing else (issue 1
 
 Every call into the training-path function is counted (it is wrapped where `rljax.trainer` exports it)
 while the canary's trainer side answers in a single process (with its early forward), in
-both multi-process layouts (2 processes x 4 CPU devices: trainers on several hosts, `JaxWeights`, and
-on one host, `ShardedJaxWeights`) and in a recovery's re-push (the kept answers, no forward at all).
+both multi-process layouts of `ShardedJaxWeights` (2 processes x 4 CPU devices: trainers on several hosts,
+and on one host) and in a recovery's re-push (the kept answers, no forward at all).
 """
 
 from __future__ import annotations
@@ -48,25 +48,22 @@ def test_single_process_canary_is_the_training_path(tiny_ckpt, monkeypatch):
     spec = make_canary(model_config.vocab_size, prompt_len=20, completion_len=6)
     prompt, fixed = list(spec.prompt_ids), list(spec.completion_ids)
     other = [(fixed[0] + 1) % model_config.vocab_size, *fixed[1:]]
-    weights, seen = engine.JaxWeights(model_config, canary), {}
-
-    def push(snapshot):  # what check_canary asks, then what the engine keeps for a recovery
-        assert len(calls) == 1  # the early forward was dispatched before the push began
-        seen["answer"], seen["kept"] = snapshot.logprobs(prompt, fixed), snapshot.keep()
-        return {}
-
-    weights.push(params, spec, push)
+    weights, seen = engine.JaxWeights(model_config, canary, spec), {}
+    snapshot = weights.snapshot(params)
+    assert len(calls) == 1  # the early forward was dispatched when the snapshot was taken
+    # what check_canary asks, then what the engine keeps for a recovery
+    seen["answer"], seen["kept"] = snapshot.logprobs(prompt, fixed), snapshot.keep()
     assert len(calls) == 1  # the canary's fixed question: answered by the early forward alone
     direct = trainer.make_logprob_fn  # the counted training path itself, scored here for the reference
     scorer = engine.CanaryScorer(direct(cfg, model_config, mesh), mesh, 1, params)
     reference = scorer(prompt, fixed)
     np.testing.assert_array_equal(seen["answer"], reference)
     n = len(calls)
-    np.testing.assert_array_equal(seen["kept"]().logprobs(prompt, fixed), reference)
+    np.testing.assert_array_equal(seen["kept"].logprobs(prompt, fixed), reference)
     assert len(calls) == n  # a recovery's re-push is checked against the push's own answers
     with pytest.raises(WeightSyncError, match="did not see"):
-        seen["kept"]().logprobs(prompt, other)
-    early = engine.EarlyCanary(engine.CanaryScorer(direct(cfg, model_config, mesh), mesh, 1, params), spec)
+        seen["kept"].logprobs(prompt, other)
+    early = weights.snapshot(params).logprobs  # its forward dispatched, not yet asked
     n = len(calls)
     np.testing.assert_array_equal(early(prompt, other), scorer(prompt, other))  # other tokens: scored
     assert len(calls) == n + 2  # by the same training path (the early one's and the reference's)

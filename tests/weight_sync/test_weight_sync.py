@@ -45,13 +45,13 @@ def test_bad_name_or_shape_rejected_before_pause_and_server_keeps_serving(served
     good = served_qwen2.ref.state()
     bad_name = {**good, "model.layers.0.mlp.gate_projj.weight": good["model.layers.0.mlp.gate_proj.weight"]}
     with pytest.raises(WeightSyncError, match="gate_projj"):
-        engine.push_weights(bad_name.items(), version + 1)
+        engine.push_weights(served_qwen2.weights.snapshot(bad_name.items()), version + 1)
     bad_shape = {**good, "model.norm.weight": np.ones(129, np.float32)}
     with pytest.raises(WeightSyncError, match=r"model\.norm\.weight.*\(129,\)"):
-        engine.push_weights(bad_shape.items(), version + 1)
+        engine.push_weights(served_qwen2.weights.snapshot(bad_shape.items()), version + 1)
     missing = {k: v for k, v in good.items() if k != "model.layers.1.self_attn.v_proj.bias"}
     with pytest.raises(WeightSyncError, match=r"model\.layers\.1\.self_attn\.v_proj\.bias"):
-        engine.push_weights(missing.items(), version + 1)
+        engine.push_weights(served_qwen2.weights.snapshot(missing.items()), version + 1)
     assert engine.gate.broken is None  # rejected before the pause: the old weights still serve
     assert_serves_reference(served_qwen2, version)
 
@@ -149,7 +149,7 @@ def test_sliced_push_is_assembled_by_the_worker(served_qwen2):
         items += [(name, d, tuple((s.start, s.stop) for s in i)) for i, d in owned_shards(sharded)]
     assert len(items) > len(state)  # most tensors went as two blocks
     version = served_qwen2.engine.version + 1
-    m = served_qwen2.engine.push_weights(items, version)
+    m = served_qwen2.engine.push_weights(served_qwen2.weights.snapshot(items), version)
     assert m["weight_sync/canary_logprob_max_abs_diff"] <= TOL
     assert m["weight_sync/bytes"] >= sum(v.nbytes for v in state.values())
     assert_serves_reference(served_qwen2, version)

@@ -34,7 +34,7 @@ def test_server_killed_mid_sync_fails_fast_then_restart_and_repush_succeeds(serv
     engine.syncer.options = SyncOptions(bucket_bytes=40 * 1024)
     try:
         with pytest.raises(WeightSyncError, match="update_weights|finish_weight_update") as err:
-            engine.push_weights(state.items(), version + 1)  # the engine has no restarts
+            engine.push_weights(served_qwen2.weights.snapshot(state.items()), version + 1)  # no restarts
     finally:
         del engine.syncer._post
         engine.syncer.options = SyncOptions()
@@ -45,7 +45,7 @@ def test_server_killed_mid_sync_fails_fast_then_restart_and_repush_succeeds(serv
         engine.generate([[1, 2, 3]], n=1, temperature=0.0, max_tokens=2)
     served_qwen2.ref.load(state)
     assert engine.restart_unhealthy() == [served_qwen2.server]
-    metrics = engine.push_weights(state.items(), version + 1)
+    metrics = engine.push_weights(served_qwen2.weights.snapshot(state.items()), version + 1)
     assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= 1e-4
     assert_serves_reference(served_qwen2, version + 1)
 
@@ -59,25 +59,10 @@ def test_server_killed_during_a_background_push_recovers_the_push_and_the_rollou
     from the new version. While the restarted server serves only its checkpoint (after the restart, before
     the re-push), generation is refused rather than labelled with the previous version."""
     engine, version = served_qwen2.engine, served_qwen2.engine.version
-    monkeypatch.setattr(engine, "_max_restarts", 1)
-    monkeypatch.setattr(engine, "_current", None)
+    monkeypatch.setattr(engine.recovery, "max_restarts", 1)
     state = perturbed(served_qwen2.ref.state(), seed=37)
-    attempt, reset, threads, killed, window = (
-        engine._push_attempt,
-        engine.syncer.reset,
-        [],
-        threading.Event(),
-        {},
-    )
-
-    def first_attempt_kills(snapshot, version):
-        threads.append(threading.current_thread().name)
-        if len(threads) > 1:
-            return attempt(snapshot, version)
-        try:
-            return attempt(KillingSnapshot(snapshot, engine.servers), version)
-        finally:
-            killed.set()
+    reset, window = engine.syncer.reset, {}
+    snapshot = KillingSnapshot(served_qwen2.weights.snapshot(state.items()), engine.servers)
 
     def reset_then_generate():  # the end of restart_unhealthy: the server is up, serving its checkpoint
         reset()
@@ -86,16 +71,16 @@ def test_server_killed_during_a_background_push_recovers_the_push_and_the_rollou
         except RolloutError as e:
             window["error"] = str(e)
 
-    monkeypatch.setattr(engine, "_push_attempt", first_attempt_kills)
     monkeypatch.setattr(engine.syncer, "reset", reset_then_generate)
     served_qwen2.ref.load(state)
     served, t0 = [], time.monotonic()
-    engine.start_push(state.items(), version + 1, on_served=served.append)
-    assert killed.wait(60)
+    engine.start_push(snapshot, version + 1, on_served=served.append)
+    assert snapshot.ended.wait(60)
     prompts = [[i + 1, 2, 3] for i in range(8)]
     out = engine.generate(prompts, n=2, temperature=1.0, max_tokens=16, seed=0)  # during the recovery
     engine.wait_pushed()
     assert time.monotonic() - t0 < 240
+    threads = snapshot.attempts
     assert len(threads) == 2 and all(name.startswith("rljax-push") for name in threads), threads
     assert served == [version + 1]
     metrics = engine.pushed_metrics()

@@ -61,4 +61,6 @@ def test_two_processes_each_stage_their_own_shards_and_the_server_serves_them(se
         for o in (out, out1):
             assert o["leftover"] == o["kept"] and o["kept"], o
     finally:  # the next test of the shared server expects the reference weights at the engine's version
-        served_qwen2.engine.push_weights(served_qwen2.ref.state().items(), served_qwen2.engine.version)
+        served_qwen2.engine.push_weights(
+            served_qwen2.weights.snapshot(served_qwen2.ref.state().items()), served_qwen2.engine.version
+        )
