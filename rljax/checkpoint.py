@@ -238,21 +238,43 @@ def abstract_like(tree: Any) -> Any:
     )
 
 
+# Entries of a checkpoint's saved config that are not `rljax.config.Config` fields: what a LoRA run records
+# of its frozen base (`base_identity`).
+RUN_RECORDS = ("lora_base",)
+
+
+def saved_run_config(saved: dict) -> tuple[dict, dict]:
+    """(the `Config` dict, the run records) of a checkpoint's saved config (`Checkpointer.restore_config`)."""
+    saved = dict(saved)
+    return saved, {k: saved.pop(k) for k in RUN_RECORDS if k in saved}
+
+
+IDENTITY_SAMPLES, IDENTITY_SAMPLE_BYTES = 64, 4096  # weight bytes a base's identity reads per file
+
+
 def base_identity(path: str) -> dict:
     """What a LoRA checkpoint records of its frozen base model instead of its bytes: the path and a
-    sha256 over `config.json` and every `*.safetensors` file's name, size and header (tensor names,
-    dtypes, shapes and offsets), cheap for a 15 GB model and changed by any re-export."""
+    sha256 over `config.json` and every `*.safetensors` file's name, size, header (tensor names, dtypes,
+    shapes and offsets) and 64 evenly spaced 4 KiB samples of its weights: ~256 KiB read per file, cheap
+    for a 15 GB model, and it tells apart two models of one architecture (base vs instruct, another seed),
+    whose configs and headers can be identical."""
     digest = hashlib.sha256()
     names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors") or n == "config.json")
     for name in names:
         file = os.path.join(path, name)
-        digest.update(f"{name}:{os.path.getsize(file)}:".encode())
+        total = os.path.getsize(file)
+        digest.update(f"{name}:{total}:".encode())
         with open(file, "rb") as f:
             if name == "config.json":
                 digest.update(f.read())
                 continue
             size = int.from_bytes(f.read(8), "little")
             digest.update(f.read(min(size, 100 * 2**20)))  # the JSON header (bounded)
+            start = 8 + size
+            span = max(total - start - IDENTITY_SAMPLE_BYTES, 0)
+            for i in range(IDENTITY_SAMPLES):
+                f.seek(start + span * i // max(IDENTITY_SAMPLES - 1, 1))
+                digest.update(f.read(IDENTITY_SAMPLE_BYTES))
     return {"path": os.path.abspath(path), "fingerprint": digest.hexdigest()}
 
 

@@ -10,6 +10,13 @@ renames a step into place once complete), only the params are restored (no optim
 host, and no orbax CheckpointManager is opened there (creating one deletes a save still in flight).
 DIR is written as a temporary directory next to it and renamed into place at the end. Exit 0; bad input
 (no workdir, no checkpoint, an unknown step, a missing base model, an existing DIR) exits 2 with one line.
+
+A LoRA run (`model.lora_rank > 0`, docs/lora.md) checkpoints the adapter only. `--merge` (its default)
+writes the merged model (`W + (alpha / r) B A` folded into the base's weights: a plain Hugging Face
+directory); `--adapter` writes the PEFT adapter instead (`adapter_model.safetensors`, `adapter_config.json`
+naming the base, and the base's tokenizer files), which `peft.PeftModel.from_pretrained` and vLLM's
+`enable_lora` load over the base model. Either way the base must be the one the adapter was trained on (its
+identity is saved with the checkpoint; another base exits 2).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rljax.checkpoint import saved_run_config
 from rljax.runtime import fail
 
 CHECKPOINTS_DIR = "checkpoints"  # <workdir>/checkpoints (rljax.loop.setup.make_checkpointer)
@@ -55,17 +63,24 @@ def choose_step(workdir: str, step: int | None) -> tuple[int, Path]:
     return step, checkpoints / str(step)
 
 
-def read_run_config(step_dir: Path) -> Any:
-    """The run's `rljax.config.Config`, as saved with the checkpoint."""
+def read_saved(step_dir: Path) -> tuple[Any, dict]:
+    """(the run's `rljax.config.Config`, its run records such as a LoRA base's identity), as saved with
+    the checkpoint."""
     import orbax.checkpoint as ocp
 
     from rljax import config as config_lib
 
     saved = ocp.JsonCheckpointHandler().restore(step_dir / CONFIG_ITEM, args=ocp.args.JsonRestore())
+    config_dict, records = saved_run_config(saved)
     try:
-        return config_lib.from_config_dict(dict(saved))
+        return config_lib.from_config_dict(config_dict), records
     except config_lib.ConfigError as e:  # saved by another rljax version (a renamed or removed field)
         fail(f"{step_dir / CONFIG_ITEM}: the run's saved config does not parse: {e}")
+
+
+def read_run_config(step_dir: Path) -> Any:
+    """The run's `rljax.config.Config`, as saved with the checkpoint."""
+    return read_saved(step_dir)[0]
 
 
 def base_model_dir(path: str, step: int) -> Path:
@@ -94,19 +109,18 @@ def policy_config(cfg: Any, model_dir: Path) -> Any:
 
 
 def restore_params(step_dir: Path, model_config: Any) -> dict:
-    """The policy params of a checkpoint step, restored alone (orbax partial restore) onto the host's
-    first CPU device, in the dtype they were saved in (`model_config.param_dtype`)."""
+    """The trained params of a checkpoint step (the policy's, or a LoRA run's adapter), restored alone
+    (orbax partial restore) onto the host's first CPU device, in the dtype they were saved in."""
     import jax
     import orbax.checkpoint as ocp
     from jax.sharding import SingleDeviceSharding
 
-    from rljax import models
+    from rljax.trainer.state import abstract_trainable
 
     host = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     target = {
         "params": jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host),
-            models.abstract_params(model_config),
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), abstract_trainable(model_config)
         )
     }
     args = ocp.args.PyTreeRestore(
@@ -128,20 +142,74 @@ def write_generation_config(out: Path, model_config: Any) -> None:
     (out / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
 
 
-def export(
-    workdir: str, out: str, *, step: int | None = None, dtype: str = "float32", model_path: str = ""
-) -> tuple[int, Path]:
-    """Writes checkpoint `step` (default: the newest) of the run in `workdir` to the Hugging Face
-    directory `out` in `dtype`; returns (step, out). Exits 2 on bad input (see the module doc)."""
+def check_lora_base(records: dict, model_dir: Path, step: int) -> None:
+    """Exits 2 unless `model_dir` is the base model the LoRA checkpoint's adapter was trained on."""
+    from rljax.checkpoint import base_identity
+
+    saved = records.get("lora_base")
+    if saved is not None and base_identity(str(model_dir))["fingerprint"] != saved["fingerprint"]:
+        fail(
+            f"--model-path {str(model_dir)!r} is not the base model checkpoint step {step}'s LoRA adapter "
+            f"was trained on ({saved['path']}); pass that model's directory"
+        )
+
+
+def write_peft_adapter(out: Path, model_config: Any, adapter: dict, model_dir: Path, dtype: str) -> None:
+    """`out` as a PEFT adapter directory over the base model `model_dir` (see the module doc)."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from rljax.models import lora
+    from rljax.models.hf import copy_tokenizer
+
+    out.mkdir(parents=True)
+    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    tensors = {k: v.astype(np_dtype) for k, v in lora.peft_tensors(model_config, adapter).items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = lora.peft_config(model_config, str(model_dir))
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    copy_tokenizer(model_dir, out)
+
+
+def write_model(out: Path, model_config: Any, params: dict, model_dir: Path, dtype: str) -> None:
+    """`out` as a Hugging Face model directory in `dtype`; a LoRA run's adapter is merged into its base."""
+    from rljax import models
+    from rljax.models import lora
     from rljax.models.hf import check_hf_checkpoint, save_hf_checkpoint
 
+    if model_config.lora_rank:
+        base = models.load_hf_checkpoint(model_dir, dtype="float32")[1]
+        params = lora.merged_params(model_config, base, params)
+        model_config = lora.base_config(model_config)
+    saved = dataclasses.replace(model_config, param_dtype=dtype, compute_dtype=dtype)
+    save_hf_checkpoint(saved, params, out, tokenizer_dir=model_dir)
+    write_generation_config(out, saved)
+    check_hf_checkpoint(out)  # every tensor's name and shape against the written config.json
+
+
+def export(
+    workdir: str,
+    out: str,
+    *,
+    step: int | None = None,
+    dtype: str = "float32",
+    model_path: str = "",
+    adapter: bool = False,
+) -> tuple[int, Path]:
+    """Writes checkpoint `step` (default: the newest) of the run in `workdir` to the Hugging Face
+    directory `out` in `dtype` (`adapter`: a LoRA run's PEFT adapter instead of the merged model);
+    returns (step, out). Exits 2 on bad input (see the module doc)."""
     step, step_dir = choose_step(workdir, step)
     target = Path(out).absolute()
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         fail(f"--out {out!r} exists and is not empty; remove it or pick another")
-    cfg = read_run_config(step_dir)
+    cfg, records = read_saved(step_dir)
     model_dir = base_model_dir(model_path or cfg.model.path, step)
     model_config = policy_config(cfg, model_dir)
+    if adapter and not model_config.lora_rank:
+        fail(f"--adapter: checkpoint step {step} is a full fine-tuning run (model.lora_rank 0): no adapter")
+    check_lora_base(records, model_dir, step)
     try:
         params = restore_params(step_dir, model_config)
     except ValueError as e:  # orbax: the saved params' tree or shapes are not this model's
@@ -149,10 +217,8 @@ def export(
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        saved = dataclasses.replace(model_config, param_dtype=dtype, compute_dtype=dtype)
-        save_hf_checkpoint(saved, params, tmp, tokenizer_dir=model_dir)
-        write_generation_config(tmp, saved)
-        check_hf_checkpoint(tmp)  # every tensor's name and shape against the written config.json
+        write = write_peft_adapter if adapter else write_model
+        write(tmp, model_config, params, model_dir, dtype)
         os.replace(tmp, target)  # an empty `out` directory is replaced; anything else was refused above
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -169,9 +235,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--model-path", default="", help="base checkpoint for config/tokenizer (default: model.path)"
     )
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--merge", action="store_true", help="LoRA run: the merged model (the default)")
+    kind.add_argument("--adapter", action="store_true", help="LoRA run: the PEFT adapter over its base")
     args = p.parse_args(argv)
-    step, out = export(args.workdir, args.out, step=args.step, dtype=args.dtype, model_path=args.model_path)
-    print(f"rljax.export: step {step} of {args.workdir} -> {out} ({args.dtype})", flush=True)
+    step, out = export(
+        args.workdir,
+        args.out,
+        step=args.step,
+        dtype=args.dtype,
+        model_path=args.model_path,
+        adapter=args.adapter,
+    )
+    what = "PEFT adapter" if args.adapter else args.dtype
+    print(f"rljax.export: step {step} of {args.workdir} -> {out} ({what})", flush=True)
     return 0
 
 

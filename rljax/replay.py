@@ -85,14 +85,14 @@ def replay(workdir: str, step: int) -> Verdict:
 
     from rljax import config as config_lib
     from rljax import trainer
-    from rljax.checkpoint import Checkpointer, abstract_like, load_batch
+    from rljax.checkpoint import Checkpointer, abstract_like, load_batch, saved_run_config
     from rljax.loop.setup import load_policy
     from rljax.sharding import make_mesh
 
     ckpt_dir, batch_file = check_inputs(workdir, step)
     checkpointer = Checkpointer(ckpt_dir, async_save=False)
     try:
-        cfg = config_lib.from_config_dict(checkpointer.restore_config(step))
+        cfg = config_lib.from_config_dict(saved_run_config(checkpointer.restore_config(step))[0])
         mesh = make_mesh(**config_lib.mesh_shape(cfg.mesh, jax.device_count()))
         model_config, params, _ = load_policy(cfg, mesh)
         template = abstract_like(trainer.init_train_state(cfg, model_config, params, mesh))

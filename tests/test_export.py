@@ -141,3 +141,88 @@ def test_bad_inputs_exit_2_with_one_line(run, tmp_path, capsys):
         assert code == 2 and len(lines) == 1 and lines[0].startswith("rljax: error: "), (name, err)
         assert fragment in lines[0], (name, lines[0])
         assert not (tmp_path / f"out_{name}").exists(), name
+
+
+# --- a LoRA run: the checkpoint holds the adapter; export merges it or writes it as a PEFT adapter ---
+
+LORA_RANK, LORA_ALPHA = 4, 8.0
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """(workdir, base dir, LoRA policy ModelConfig, host base params, host adapter) of a LoRA checkpoint at
+    step 1 whose adapter is off zero (B random), saved with its base's identity as the loop saves it."""
+    from rljax.checkpoint import base_identity
+    from rljax.models import lora
+
+    root = tmp_path_factory.mktemp("export_lora")
+    base_dir = build_tiny_checkpoint(root / "model", "qwen2", tie_word_embeddings=False, seed=4)
+    cfg = Config(mesh=MeshConfig(data=1, fsdp=2))
+    model = dataclasses.replace(cfg.model, path=str(base_dir), lora_rank=LORA_RANK, lora_alpha=LORA_ALPHA)
+    cfg = dataclasses.replace(cfg, model=model)
+    mesh = make_mesh(data=1, fsdp=2, tensor=1, devices=jax.devices()[:2])
+    model_config, base = models.load_hf_checkpoint(base_dir)
+    policy = resolve_model_config(cfg, model_config)
+    adapter = lora.init_adapter(policy, jax.random.key(1))
+    noise = lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape, x.dtype)  # noqa: E731
+    adapter = jax.tree.map(noise, adapter)
+    state = trainer.init_train_state(cfg, model_config, adapter, mesh)
+    checkpointer = Checkpointer(str(root / "work" / "checkpoints"), async_save=False)
+    checkpointer.save(1, state, {"data": {}}, to_dict(cfg) | {"lora_base": base_identity(str(base_dir))})
+    checkpointer.close()
+    host = lambda tree: jax.tree.map(np.asarray, tree)  # noqa: E731
+    return root / "work", base_dir, policy, host(base), host(adapter)
+
+
+def test_a_lora_checkpoint_exports_as_the_merged_model_with_the_lora_forwards_logits(lora_run, tmp_path):
+    from rljax.models import lora
+
+    workdir, _, policy, base, adapter = lora_run
+    step, out = export.export(str(workdir), str(tmp_path / "merged"))
+    assert step == 1 and not (out / "adapter_config.json").exists()
+    want = np.asarray(models.forward(policy, lora.combine(base, adapter), IDS))  # base + (x A) B, unmerged
+    np.testing.assert_allclose(hf_logits(out), want, atol=LOGIT_TOL, rtol=0)
+    base_logits = np.asarray(models.forward(lora.base_config(policy), base, IDS))
+    assert np.abs(hf_logits(out) - base_logits).max() > 1e-2  # the adapter matters
+
+
+def test_a_lora_checkpoint_exports_as_a_peft_adapter_over_its_base(lora_run, tmp_path):
+    from safetensors.numpy import load_file
+
+    workdir, base_dir, policy, _, _ = lora_run
+    _, merged_dir = export.export(str(workdir), str(tmp_path / "merged"))
+    _, out = export.export(str(workdir), str(tmp_path / "adapter"), adapter=True)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == LORA_RANK and config["lora_alpha"] == LORA_ALPHA
+    assert config["base_model_name_or_path"] == str(base_dir) and (out / "tokenizer_config.json").exists()
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    base = load_file(str(base_dir / "model.safetensors"))
+    merged = load_file(str(merged_dir / "model.safetensors"))
+    adapted = set()
+    for name, a in tensors.items():  # PEFT's merge rule, W + alpha/r * B @ A, gives the merged export
+        if ".lora_A." not in name:
+            continue
+        module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        b = tensors[name.replace(".lora_A.", ".lora_B.")]
+        assert a.shape[0] == LORA_RANK and b.shape[1] == LORA_RANK
+        w = base[f"{module}.weight"] + (LORA_ALPHA / LORA_RANK) * (b @ a)
+        np.testing.assert_allclose(merged[f"{module}.weight"], w, atol=1e-6, err_msg=module)
+        adapted.add(module.rsplit(".", 1)[-1])
+    assert adapted == set(config["target_modules"]) and len(tensors) == 2 * 7 * policy.num_layers
+    untouched = [k for k in base if k.rsplit(".", 2)[-2] not in adapted]  # norms, embeddings, head
+    assert untouched and all(np.array_equal(base[k], merged[k]) for k in untouched)
+
+
+def test_lora_export_refuses_a_different_base_and_adapter_of_a_full_run(lora_run, run, tmp_path, capsys):
+    workdir, _, _, _, _ = lora_run
+    other = build_tiny_checkpoint(tmp_path / "other", "qwen2", tie_word_embeddings=False, seed=9)
+    capsys.readouterr()  # transformers' save progress bar
+    cases = {
+        "other_base": ([str(workdir), "--model-path", str(other)], "is not the base model"),
+        "full_run": ([str(run[0]), "--adapter"], "full fine-tuning run"),
+    }
+    for name, ((wd, *rest), fragment) in cases.items():
+        code, err = exit_code_and_error(capsys, "--workdir", wd, *rest, "--out", str(tmp_path / name))
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and fragment in lines[0], (name, err)
+        assert not (tmp_path / name).exists(), name

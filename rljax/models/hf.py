@@ -384,10 +384,15 @@ def save_hf_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     if tokenizer_dir is not None:
-        for fname in _TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / fname).exists():
-                shutil.copyfile(Path(tokenizer_dir) / fname, path / fname)
+        copy_tokenizer(tokenizer_dir, path)
     return path
+
+
+def copy_tokenizer(tokenizer_dir: str | Path, path: str | Path) -> None:
+    """Copies the tokenizer, chat-template and generation files that `tokenizer_dir` has into `path`."""
+    for fname in _TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / fname).exists():
+            shutil.copyfile(Path(tokenizer_dir) / fname, Path(path) / fname)
 
 
 def load_tokenizer(path: str | Path) -> Any:
