@@ -20,11 +20,11 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # to every 
 KILL_GRACE_S = 30.0  # after a failure, time the others get to exit on SIGTERM before SIGKILL
 
 
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` (default loopback) that was free a moment ago (bound to port 0, released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def process_envs(

@@ -70,6 +70,7 @@ HOST_MODULES = (
     "rljax/k8s_render.py",
     "rljax/replay.py",
     "rljax/eval.py",  # an entry point that serves a model and grades it, like the loop's evaluation
+    "rljax/export.py",  # reads a run's checkpoints (its saved config and a LoRA base's identity), like replay
 )
 
 

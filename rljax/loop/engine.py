@@ -38,7 +38,8 @@ from rljax import device_plan, models, trainer
 from rljax.config import FP8_SERVING, Config, canary_tolerance, serving_dtype
 from rljax.distributed import cast_params, is_leader, to_host
 from rljax.loop.sharded_sync import PushState, share_question, single_host, stage_sharded
-from rljax.loop.snapshots import CanaryAnswers, JaxSnapshot, StagedSnapshot, spec_key
+from rljax.loop.snapshots import AdapterSnapshot, CanaryAnswers, JaxSnapshot, StagedSnapshot, spec_key
+from rljax.models import lora
 from rljax.rollout import ClientOptions, RolloutEngine, placement
 from rljax.rollout.auth import read_token_file
 from rljax.rollout.server import options_from_config
@@ -46,6 +47,8 @@ from rljax.trajectory import Trajectory, build_loss_inputs
 from rljax.weight_sync import SyncOptions, WeightSyncError, served, transports
 from rljax.weight_sync.canary import CanarySpec
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, ShardStager
+
+LORA_DIR = "lora_adapters"  # <workdir>/lora_adapters/v<version>: a LoRA run's adapters, one per version
 
 
 def make_canary_logprobs(cfg: Config, model_config, mesh, data_parallel: int) -> Callable:
@@ -143,6 +146,35 @@ class ShardedJaxWeights:
         self.stager.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class AdapterWeights:
+    """A LoRA run's weights (`model.lora_rank > 0`): `snapshot(adapter)` takes `TrainState.params` (the
+    adapter) to PEFT tensors on the host (`rljax.models.lora.peft_tensors`: megabytes, gathered onto every
+    process) and answers the canary with the training path's log-probs of the frozen `base` plus this
+    adapter (`lora.combine`). In a multi-process job the answer is a collective, computed by every process
+    when the snapshot is taken; the followers' engines push nothing."""
+
+    model_config: Any
+    base: Any
+    canary_logprobs: Callable
+    canary: CanarySpec
+    base_path: str
+
+    def snapshot(self, adapter) -> AdapterSnapshot:
+        scorer = self.canary_logprobs(lora.combine(self.base, adapter))
+        early = scorer.dispatch(self.canary.prompt_ids, self.canary.completion_ids)
+        if jax.process_count() > 1:
+            answer = early()
+            answers = CanaryAnswers({spec_key(self.canary): lambda: answer})
+        else:
+            answers = CanaryAnswers({spec_key(self.canary): early}, scorer)
+        tensors = lora.peft_tensors(self.model_config, jax.tree.map(to_host, adapter))
+        return AdapterSnapshot(tensors, lora.peft_config(self.model_config, self.base_path), answers)
+
+    def close(self) -> None:
+        pass
+
+
 def sharded_serve(cfg: Config) -> Callable | None:
     """How each process of a multi-process job serves its own buckets with a streaming
     `rollout.weight_sync.transport` (None: shm, where every trainer process must share the servers'
@@ -196,16 +228,20 @@ def push_params(engine: RolloutEngine | Follower, weights, params, version: int)
 
 
 def make_engine(
-    cfg: Config, workdir: str, model_config, mesh, data_parallel: int
-) -> tuple[RolloutEngine | Follower, JaxWeights | ShardedJaxWeights]:
+    cfg: Config, workdir: str, model_config, mesh, data_parallel: int, base: Any = None
+) -> tuple[RolloutEngine | Follower, JaxWeights | ShardedJaxWeights | AdapterWeights]:
     """`(engine, weights)`: the configured vLLM servers (`rollout.vllm.num_servers` started, or connected
     by URL, on the leader; logs in `workdir/vllm/replica_<i>/`) and the trainer's side of each push,
-    every push then `push_params(engine, weights, params, version)`. Every process calls it."""
-    multi = jax.process_count() > 1
-    serve = sharded_serve(cfg) if multi else None  # before any server starts
+    every push then `push_params(engine, weights, params, version)`. Every process calls it. A LoRA run
+    (`model_config.lora_rank > 0`) passes its frozen `base` params and pushes adapters (`AdapterWeights`;
+    written under `workdir/lora_adapters/`, which every server must be able to read)."""
+    multi, lora_run = jax.process_count() > 1, model_config.lora_rank > 0
+    serve = sharded_serve(cfg) if multi and not lora_run else None  # before any server starts
     engine = _leader_engine(cfg, workdir) if is_leader() else Follower()
     question = share_question(engine.canary if is_leader() else None)
     scorer = make_canary_logprobs(cfg, model_config, mesh, data_parallel)
+    if lora_run:  # each version an adapter: the base stays on the servers
+        return engine, AdapterWeights(model_config, base, scorer, question, cfg.model.path)
     weights = JaxWeights(model_config, scorer, question, serving_dtype(cfg))
     if multi:  # sharded staging: each process writes (and serves) its own shards
         weights = make_sharded_weights(cfg, weights, serve)
@@ -237,6 +273,8 @@ def _leader_engine(cfg: Config, workdir: str) -> RolloutEngine:
             tcp_timeout_s=ws.tcp_timeout_s,
         ),
     )
+    if cfg.model.lora_rank:
+        common["lora_root"] = os.path.join(os.path.abspath(workdir), LORA_DIR)
     if vc.urls:
         token = read_token_file(vc.token_file) if vc.token_file else None  # servers started elsewhere
         engine = RolloutEngine.connect(list(vc.urls), cfg.model.path, token=token, **common)

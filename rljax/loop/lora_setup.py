@@ -1,24 +1,17 @@
-"""The LoRA parts of a run (`model.lora_rank > 0`, docs/lora.md): the initial adapter, the frozen base
-held beside the train state, the base's identity in every checkpoint, and the weight push.
-
-Until adapter-only sync lands, a LoRA run pushes the merged model (`W + (alpha / r) A B`, in the base's
-dtype) through the full push path: the rollout engine and its canary see a plain model of the base's
-config, so serving stays exactly the trainer's policy.
-"""
+"""The LoRA parts of a run's set-up (`model.lora_rank > 0`, docs/lora.md): the initial adapter and the
+base's identity in every checkpoint. The push of each version as an adapter is `rljax.loop.engine.
+AdapterWeights` (snapshots) and `rljax.weight_sync.adapters` (the servers' side)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
 
 from rljax import models
 from rljax.checkpoint import Checkpointer, CheckpointMismatchError, base_identity
 from rljax.config import Config
 from rljax.models import lora
-from rljax.trainer.state import base_shardings
 
 
 def initial_params(cfg: Config, model_config: models.ModelConfig, params: Any) -> Any:
@@ -27,38 +20,6 @@ def initial_params(cfg: Config, model_config: models.ModelConfig, params: Any) -
     if not model_config.lora_rank:
         return params
     return lora.init_adapter(model_config, jax.random.key(cfg.trainer.seed))
-
-
-def engine_view(cfg: Config, model_config: models.ModelConfig) -> tuple[Config, models.ModelConfig]:
-    """(config, model config) the rollout engine is built with: the run's, or with LoRA the base model's
-    (the engine serves and checks merged weights, a plain model)."""
-    if not model_config.lora_rank:
-        return cfg, model_config
-    plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0))
-    return plain, lora.base_config(model_config)
-
-
-class MergedPushEngine:
-    """A rollout engine whose pushes take the adapter (`TrainState.params` of a LoRA run) and send the
-    merged model; everything else is the wrapped engine's."""
-
-    def __init__(self, engine: Any, model_config: models.ModelConfig, base: Any, mesh: Mesh):
-        self.engine, self.base = engine, base
-        merge = lambda b, a: lora.merged_params(model_config, b, a)  # noqa: E731
-        self._merge = jax.jit(merge, out_shardings=base_shardings(model_config, mesh))
-
-    def merged(self, adapter: Any) -> Any:
-        """The full params `base + adapter` folded (the base's shardings and dtype)."""
-        return self._merge(self.base, adapter)
-
-    def push_weights(self, params: Any, version: int) -> dict[str, float]:
-        return self.engine.push_weights(self.merged(params), version)
-
-    def start_push(self, params: Any, version: int, on_served: Any = None) -> None:
-        self.engine.start_push(self.merged(params), version, on_served=on_served)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
 
 
 def checkpoint_config(cfg: Config, config_dict: dict) -> dict:

@@ -260,7 +260,7 @@ def build_run(
         prompts.restore(extra["data"])
         print(f"rljax: resuming from checkpoint step {start_step} in {checkpointer.directory}", flush=True)
     data_parallel = sizes["data"] * sizes["fsdp"]
-    engine, weights = make_engine(cfg, workdir, model_config, mesh, data_parallel=data_parallel)
+    engine, weights = make_engine(cfg, workdir, model_config, mesh, data_parallel=data_parallel, base=params)
     if restored is not None or cfg.rollout.vllm.urls:
         # A server we start holds the base weights; one we connect to holds whatever it was last sent
         # (e.g. a previous run's policy): either way serve exactly this run's weights from the first step.
@@ -277,15 +277,6 @@ def build_run(
     producer = make_producer(collector, cfg, start_step, extra) if async_mode else None
     run = Run(cfg, sampler, train_part, collector, producer, evaluator, io, weights)
     return run, state, start_step
-
-
-def make_run_engine(cfg: Config, workdir: str, model_config, mesh: Mesh, params: Any, data_parallel: int):
-    """The rollout engine; with LoRA it serves the merged model (`lora_setup.MergedPushEngine`)."""
-    engine_cfg, engine_model = lora_setup.engine_view(cfg, model_config)
-    engine = make_engine(engine_cfg, workdir, engine_model, mesh, data_parallel=data_parallel)
-    if not model_config.lora_rank:
-        return engine
-    return lora_setup.MergedPushEngine(engine, model_config, params, mesh)
 
 
 def batch_template(cfg: Config) -> LossInputs:

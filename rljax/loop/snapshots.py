@@ -15,7 +15,9 @@ nothing calls back into the loop. `with snapshot:` ends the push on the trainer'
 - `StagedSnapshot` (a multi-process job): the buckets every process staged already (`rljax.loop.
   sharded_sync.stage_sharded`, `WeightSyncer.push_staged`); streamed (tcp/zmq: each process serves its
   own buckets) or mapped (shm) as `rollout.weight_sync.transport` chose when the weights were built.
-Both carry `CanaryAnswers`, the canary's trainer side of this version.
+- `AdapterSnapshot` (a LoRA run, `model.lora_rank > 0`): the adapter alone as PEFT tensors on the host,
+  pushed as a new runtime-loaded adapter (`weight_sync.adapters.AdapterPublisher.publish`).
+Each carries `CanaryAnswers`, the canary's trainer side of this version.
 """
 
 from __future__ import annotations
@@ -135,3 +137,20 @@ class StagedSnapshot:
     def __exit__(self, kind, value, tb) -> None:
         if self.end is not None:
             self.end(kind is None)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterSnapshot(_NoEnd):
+    """A LoRA run's version: the adapter as PEFT tensors on the host (`tensors`, `config`: the
+    `adapter_config.json`), pushed through the engine's `weight_sync.adapters.AdapterPublisher` (a new
+    runtime-loaded adapter per version), and the canary's answers of the base plus this adapter."""
+
+    tensors: dict
+    config: dict
+    logprobs: CanaryAnswers
+
+    def push(self, adapters, version: int) -> dict:
+        return adapters.publish(self.tensors, self.config, version, logprobs=self.logprobs)
+
+    def keep(self) -> AdapterSnapshot:
+        return AdapterSnapshot(self.tensors, self.config, self.logprobs.frozen())  # host arrays already

@@ -13,6 +13,7 @@ import sys
 import jax
 import numpy as np
 
+from rljax import models
 from rljax.checkpoint import save_batch
 from rljax.config import Config
 from rljax.distributed import barrier, broadcast_tree, is_leader, to_host
@@ -26,7 +27,7 @@ from rljax.loop.setup import Run, RunIO, Trainer, build_run
 from rljax.metrics import device_memory_gb, host_memory_gb, peak_flops
 from rljax.metrics.parameters import write_parameter_overview
 from rljax.metrics.profile import StepProfiler, profile_dir
-from rljax.models import ModelConfig
+from rljax.models import ModelConfig, lora
 from rljax.sampling import Engine, SamplingOptions, Weights
 from rljax.trainer.flops import matmul_params, update_flops
 from rljax.trainer.state import TrainState
@@ -207,7 +208,11 @@ def mfu_metrics(
     peak = cfg.metrics.peak_flops_per_device or peak_flops(jax.devices()[0].device_kind)
     if not peak or update_s <= 0:
         return {}
-    n = matmul_params(state.params, model_config)
+    # LoRA: the state holds the adapter; N is the base model's
+    params = (
+        models.abstract_params(lora.base_config(model_config)) if model_config.lora_rank else state.params
+    )
+    n = matmul_params(params, model_config)
     tokens = float(np.sum(np.asarray(batch.segment_ids) > 0))
     critic = state.critic_params is not None
     flops = update_flops(cfg, model_config, n, tokens, batch.segment_ids.shape[1], critic=critic)

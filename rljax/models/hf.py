@@ -26,7 +26,7 @@ from rljax.models.params import ParamEntry, get_path, hf_blocks, nest_paths
 from rljax.sharding import logical_to_sharding
 
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-_TOKENIZER_FILES = (
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -384,15 +384,10 @@ def save_hf_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     if tokenizer_dir is not None:
-        copy_tokenizer(tokenizer_dir, path)
+        for fname in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / fname).exists():
+                shutil.copyfile(Path(tokenizer_dir) / fname, path / fname)
     return path
-
-
-def copy_tokenizer(tokenizer_dir: str | Path, path: str | Path) -> None:
-    """Copies the tokenizer, chat-template and generation files that `tokenizer_dir` has into `path`."""
-    for fname in _TOKENIZER_FILES:
-        if (Path(tokenizer_dir) / fname).exists():
-            shutil.copyfile(Path(tokenizer_dir) / fname, Path(path) / fname)
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -22,11 +22,12 @@ that long) fail with `TimeoutError` and are retried elsewhere.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import aiohttp
 
@@ -202,12 +203,17 @@ class RolloutClient:
         gate: PolicyGate | None = None,
         options: ClientOptions = ClientOptions(),
         token: str | None = None,
+        policy: Callable[[], contextlib.AbstractContextManager[tuple[str, int]]] | None = None,
     ):
+        """`policy()`: what a generate call samples with, held for the call: (the served model's name, the
+        policy version every completion is tagged with). Default: `model` at the gate's version, the gate
+        held shared; a LoRA run's is `AdapterPublisher.lease` (each version its own adapter name)."""
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
         self.urls, self.model, self.options = list(urls), model, options
         self._headers = bearer_headers(token)  # the servers' bearer token (rljax.rollout.auth)
         self.gate = gate or PolicyGate()
+        self.policy = policy or self._gate_policy
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="rljax-rollout")
         self._thread.start()
@@ -233,6 +239,11 @@ class RolloutClient:
                     queues.observe(url, count, timeout_s)
                 await asyncio.sleep(poll)
 
+    @contextlib.contextmanager
+    def _gate_policy(self) -> Iterator[tuple[str, int]]:
+        with self.gate.shared() as version:
+            yield self.model, version
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -247,13 +258,13 @@ class RolloutClient:
     ) -> list[Completion]:
         """`len(prompts) * n` completions, ordered by (prompt_index, sample_index), all tagged with the
         served policy version; raises RolloutError if any request fails after its retries."""
-        with self.gate.shared() as version:
+        with self.policy() as (model, version):
             if self.gate.broken:
                 raise RolloutError(f"servers are not servable: {self.gate.broken}")
             t0 = time.perf_counter()
             bodies = [
                 request_body(
-                    self.model,
+                    model,
                     p,
                     n=n,
                     temperature=temperature,

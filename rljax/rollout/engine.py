@@ -11,7 +11,8 @@ A push goes one way: the trainer takes a snapshot of its weights (`rljax.rollout
 the serving dtype, the canary's trainer side started), the engine pushes that value, and nothing calls
 back. The engine is composition of small parts, each usable alone:
 - `client` (`RolloutClient`): generation over every server, under the policy gate;
-- `syncer` (`WeightSyncer`): staging, pause, load, finish as the version, canary, resume;
+- `syncer` (`WeightSyncer`): staging, pause, load, finish as the version, canary, resume; in a LoRA run
+  the weight channel is an `AdapterPublisher` instead (each version a runtime-loaded adapter, no pause);
 - `recovery` (`rljax.rollout.recovery.Recovery`): the owned servers' restarts, re-pushing the last
   pushed version, one recovery at a time;
 - `pusher` (`rljax.rollout.pushing.WeightPush`): a verified push with recovery (every server must then
@@ -39,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from rljax.config import DEFAULTS
 from rljax.hf_config import read_hf_config
@@ -49,6 +51,7 @@ from rljax.rollout.client import ClientOptions, Completion, RolloutClient
 from rljax.rollout.pushing import Snapshot, WeightPush
 from rljax.rollout.recovery import Recovery
 from rljax.rollout.server import ServerOptions, VLLMServer, launch_servers, served_model_name
+from rljax.weight_sync.adapters import AdapterPublisher
 from rljax.weight_sync.canary import DEFAULT_BLOCK_SIZE, CanarySpec, make_canary, server_block_size
 from rljax.weight_sync.gate import PolicyGate
 from rljax.weight_sync.syncer import SyncOptions, WeightSyncer
@@ -89,7 +92,7 @@ class RolloutEngine:
     def __init__(
         self,
         client: RolloutClient,
-        syncer: WeightSyncer,
+        syncer: WeightSyncer | AdapterPublisher,
         *,
         servers: Sequence[VLLMServer] = (),
         token: str | None = None,
@@ -142,10 +145,13 @@ class RolloutEngine:
         sync_options: SyncOptions = SyncOptions(),
         version: int = 0,
         token: str | None = None,
+        lora_root: str | os.PathLike | None = None,
         **kwargs,
     ) -> RolloutEngine:
         """An engine over servers at `urls` (owned `servers`, or started elsewhere: same host for the "shm"
-        transport, any host for "tcp"); `token` defaults to the owned servers' one."""
+        transport, any host for "tcp"); `token` defaults to the owned servers' one. `lora_root`: a LoRA
+        run, whose versions are adapters written there and loaded by the servers at run time (the
+        weight channel is a `weight_sync.adapters.AdapterPublisher`, not a `WeightSyncer`)."""
         tokens = {s.token for s in servers}
         if token is None and len(tokens) > 1:
             raise ValueError("RolloutEngine: the owned servers have different tokens; pass one token to all")
@@ -153,12 +159,26 @@ class RolloutEngine:
         headers, gate = bearer_headers(token), PolicyGate(version)
         model = served_model_name(urls[0], headers=headers)
         vocab = read_hf_config(model_path)["vocab_size"]
+        canary = make_canary(vocab, block_size=canary_block_size(urls, headers))
+        if lora_root is not None:
+            adapters = AdapterPublisher(
+                list(urls),
+                Path(lora_root),
+                model,
+                canary=canary,
+                gate=gate,
+                headers=headers,
+                canary_tolerance=sync_options.canary_tolerance,
+            )
+            policy = adapters.lease  # each generate call samples with the adapter current when it starts
+            client = RolloutClient(urls, model, gate=gate, options=client_options, token=token, policy=policy)
+            return cls(client, adapters, servers=servers, token=token, **kwargs)
         client = RolloutClient(urls, model, gate=gate, options=client_options, token=token)
         syncer = WeightSyncer(
             list(urls),
             model,
             spec=read_checkpoint_spec(model_path),
-            canary=make_canary(vocab, block_size=canary_block_size(urls, headers)),
+            canary=canary,
             gate=gate,
             options=sync_options,
             headers=headers,

@@ -11,6 +11,7 @@ process in its own process group, with:
   the `vllm.general_plugins` entry point `rljax.weight_sync.worker.plugin:register`;
 - `--logprobs-mode processed_logprobs`: the log-prob convention of `rljax.rollout.client`;
 - a KV block of 32 tokens (vLLM's CPU default is 128; the canary's prompt spans 2 blocks);
+- with `model.lora_rank > 0`, runtime LoRA loading (`weight_sync.adapters.lora_server_args`);
 - float32 weights, eager mode on the CPU build (CUDA graphs on a GPU), the GPUs of its plan
   (`ServerOptions.devices`, `rljax.device_plan`), its log in `<workdir>/vllm_server.log` (appended across
   restarts).
@@ -30,7 +31,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,8 +48,10 @@ from rljax.config import (
     serving_dtype,
     vllm_is_cpu_build,
 )
+from rljax.process_plan import free_port
 from rljax.rollout import auth, placement
 from rljax.rollout.crashes import crash_cause, prefill_args
+from rljax.weight_sync.adapters import lora_server_args
 from rljax.weight_sync.staging import DEFAULT_STAGING_DIR, STAGING_DIR_ENV
 
 
@@ -114,6 +116,9 @@ def options_from_config(cfg: Config, **overrides) -> ServerOptions:
         allow_remote=vc.allow_remote,
         weight_transfer_backend=cfg.rollout.weight_sync.transport,
     )
+    if cfg.model.lora_rank:  # each policy version is a runtime-loaded adapter (weight_sync.adapters)
+        args, env = lora_server_args(cfg.model.lora_rank)
+        options = dataclasses.replace(options, extra_args=(*options.extra_args, *args), extra_env=env)
     return dataclasses.replace(options, **overrides)
 
 
@@ -125,13 +130,6 @@ _MAX_TMP_ROOT = 48  # vLLM's IPC sockets are <TMPDIR>/<uuid4> and a unix socket 
 def _tmp_root() -> str:
     root = tempfile.gettempdir()
     return root if len(root) <= _MAX_TMP_ROOT else "/tmp"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def server_command(model_path: str, host: str, port: int, options: ServerOptions) -> list[str]:

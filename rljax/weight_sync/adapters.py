@@ -1,7 +1,7 @@
 """LoRA sync: each policy version is a new adapter, loaded through vLLM's own runtime-LoRA mechanism.
 
-    publisher = AdapterPublisher(urls, root, headers=...)
-    metrics = publisher.publish(tensors, peft_config, version, canary=(spec, trainer_logprobs))
+    publisher = AdapterPublisher(urls, root, base_model, canary=spec, gate=gate, headers=...)
+    metrics = publisher.publish(tensors, peft_config, version, logprobs=trainer_logprobs)
     with publisher.lease() as (name, version):   # generate with model=name; samples carry `version`
         ...
     publisher.close()
@@ -40,6 +40,7 @@ import requests
 from safetensors.numpy import save_file
 
 from rljax.weight_sync.canary import CanaryError, CanarySpec, TrainerLogprobs, check_canary
+from rljax.weight_sync.gate import PolicyGate
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -124,14 +125,17 @@ class AdapterPublisher:
         root: Path,
         base_model: str,
         *,
+        canary: CanarySpec | None = None,
+        gate: PolicyGate | None = None,
         headers: dict | None = None,
         timeout_s: float = 60.0,
         canary_tolerance: float = 1e-3,
     ):
         self.urls, self.root, self.headers = list(urls), Path(root), headers
+        self.canary, self.gate = canary, gate or PolicyGate()
         self.timeout_s, self.canary_tolerance = timeout_s, canary_tolerance
         self.run = secrets.token_hex(4)
-        self._current: tuple[str, int] = (base_model, 0)
+        self._current: tuple[str, int] = (base_model, self.gate.version)
         self._paths: dict[str, Path] = {}
         self._inflight: dict[str, int] = {}
         self._retiring: set[str] = set()
@@ -145,8 +149,9 @@ class AdapterPublisher:
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[tuple[str, int]]:
-        """The current (name, version), held until the block ends: its adapter stays loaded meanwhile."""
-        with self._lock:
+        """The current (name, version), held until the block ends: its adapter stays loaded meanwhile.
+        Holds the gate shared too, so a recovery's restart (which breaks the gate) is seen by the caller."""
+        with self.gate.shared(), self._lock:
             name, version = self._current
             self._inflight[name] = self._inflight.get(name, 0) + 1
         try:
@@ -173,13 +178,16 @@ class AdapterPublisher:
         config: Mapping,
         version: int,
         *,
-        canary: tuple[CanarySpec, TrainerLogprobs] | None = None,
+        logprobs: TrainerLogprobs | None = None,
     ) -> dict[str, float]:
-        """Writes, loads on every server, checks and switches to `version`'s adapter; retires the previous
-        version once its requests are done. Raises AdapterSyncError or CanaryError (nothing switched)."""
+        """Writes, loads on every server, checks (the canary, answered by `logprobs`) and switches to
+        `version`'s adapter; retires the previous version once its requests are done. Pushing the current
+        version again (a recovery's re-push) loads it where it is missing and checks it. Raises
+        AdapterSyncError or CanaryError (nothing switched)."""
         t0 = time.perf_counter()
         name = adapter_name(version, self.run)
-        path = write_adapter(self.root, version, tensors, config)
+        repush = name == self._current[0]
+        path = self._paths[name] if repush else write_adapter(self.root, version, tensors, config)
         t_write = time.perf_counter()
         with self._lock:
             self._paths[name] = path
@@ -187,29 +195,48 @@ class AdapterPublisher:
             for url in self.urls:
                 self._load(url, name, path)
             t_load = time.perf_counter()
-            diffs = [self._check(url, name, canary) for url in self.urls] if canary else []
+            check = self.canary is not None and logprobs is not None
+            diffs = [self._check(url, name, logprobs) for url in self.urls] if check else []
         except BaseException:
-            self._retire(name)
+            if not repush:
+                self._retire(name)
             raise
-        with self._lock:
-            previous = self._current[0]
-            self._current = (name, int(version))
-            if previous in self._paths:
-                self._retiring.add(previous)
-            idle = previous in self._retiring and self._inflight.get(previous, 0) == 0
-        if idle:
-            self._retire(previous)
+        self._switch(name, int(version))
         metrics = {
             "weight_sync/bytes": float(sum(np.asarray(v).nbytes for v in tensors.values())),
-            "weight_sync/tensors": float(len(tensors)),
-            "weight_sync/write_s": t_write - t0,
-            "weight_sync/load_s": t_load - t_write,
+            "weight_sync/stage_seconds": t_write - t0,  # the adapter directory written
+            "weight_sync/engine_seconds": t_load - t_write,  # every server loaded it
+            "weight_sync/pause_seconds": 0.0,  # generation never pauses: the previous adapter serves
             "weight_sync/seconds": time.perf_counter() - t0,
         }
         if diffs:
-            metrics["weight_sync/canary_max_abs_diff"] = max(d[0] for d in diffs)
-            metrics["weight_sync/canary_mean_abs_diff"] = float(np.mean([d[1] for d in diffs]))
+            metrics["weight_sync/canary_logprob_max_abs_diff"] = max(d[0] for d in diffs)
+            metrics["weight_sync/canary_logprob_mean_abs_diff"] = float(np.mean([d[1] for d in diffs]))
         return metrics
+
+    def _switch(self, name: str, version: int) -> None:
+        """`name` becomes current (the gate's version and servable again); the previous one retires when
+        idle."""
+        with self._lock:
+            previous = self._current[0]
+            self._current = (name, version)
+            if previous != name and previous in self._paths:
+                self._retiring.add(previous)
+            idle = previous in self._retiring and self._inflight.get(previous, 0) == 0
+        self.gate.version, self.gate.broken = version, None
+        if idle:
+            self._retire(previous)
+
+    def server_version(self, url: str) -> str:
+        """The policy version `url` serves: the current version when its adapter (or, at version 0, the
+        base model) is listed by the server, else ""."""
+        name, version = self._current
+        resp = requests.get(f"{url}/v1/models", headers=self.headers or {}, timeout=self.timeout_s)
+        listed = resp.status_code == 200 and any(m.get("id") == name for m in resp.json().get("data", []))
+        return str(version) if listed else ""
+
+    def reset(self) -> None:
+        """Nothing per server to forget (a restarted server gets the current adapter by the re-push)."""
 
     def reload(self, url: str) -> None:
         """Loads the current adapter into `url` again (a server restarted by recovery has none)."""
@@ -227,11 +254,10 @@ class AdapterPublisher:
                 f"{url} did not load adapter {name} from {path}: HTTP {resp.status_code} {resp.text[:300]}"
             )
 
-    def _check(self, url: str, name: str, canary: tuple[CanarySpec, TrainerLogprobs]) -> tuple[float, float]:
-        spec, trainer_logprobs = canary
+    def _check(self, url: str, name: str, logprobs: TrainerLogprobs) -> tuple[float, float]:
         try:
             return check_canary(
-                url, name, spec, trainer_logprobs, tolerance=self.canary_tolerance,
+                url, name, self.canary, logprobs, tolerance=self.canary_tolerance,
                 timeout_s=self.timeout_s, headers=self.headers,
             )  # fmt: skip
         except CanaryError as e:

@@ -15,7 +15,13 @@ from rljax.trainer.flops import matmul_params, update_flops
 from rljax.trainer.state import TrainState
 
 MC = types.SimpleNamespace(
-    num_layers=2, num_heads=4, head_dim=8, vocab_size=100, hidden_size=16, tie_word_embeddings=False
+    num_layers=2,
+    num_heads=4,
+    head_dim=8,
+    vocab_size=100,
+    hidden_size=16,
+    tie_word_embeddings=False,
+    lora_rank=0,
 )
 PARAMS = {"embed": np.zeros((100, 16)), "layer": {"w": np.zeros((16, 64))}, "head": np.zeros((16, 100))}
 
@@ -56,3 +62,26 @@ def test_mfu_against_the_configured_peak_and_left_out_on_cpu(monkeypatch):
     # No datasheet peak for a CPU ("cpu" is not in PEAK_BF16_FLOPS): left out unless configured.
     monkeypatch.setattr(train, "peak_flops", lambda kind: peak_flops("cpu"))
     assert mfu(0.0, batch, update_s=0.5) == {}
+
+
+def test_lora_counts_the_base_models_matmuls_without_its_weight_gradients():
+    """LoRA: N is the base model's (the loop passes its params, not the adapter), and a train pass costs
+    4 N (forward, activation gradients): the frozen base has no weight gradients."""
+    import dataclasses
+
+    from rljax import models
+    from rljax.models import lora
+    from rljax.models.config import ModelConfig
+    from rljax.models.tiny import tiny_hf_config
+
+    config = ModelConfig.from_hf_dict(tiny_hf_config("qwen2", tie_word_embeddings=False).to_dict())
+    config = dataclasses.replace(config, lora_rank=4, lora_alpha=8.0)
+    n = matmul_params(models.abstract_params(lora.base_config(config)), config)
+    full = sum(
+        int(np.prod(x.shape)) for x in jax.tree.leaves(models.abstract_params(lora.base_config(config)))
+    )
+    assert n == full - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
+    attn = config.num_layers * config.num_heads * config.head_dim * 32
+    plain = dataclasses.replace(config, lora_rank=0)
+    assert update_flops(Config(), config, n, 10.0, 32) == 10.0 * (4 * n + 12 * attn)
+    assert update_flops(Config(), plain, n, 10.0, 32) == 10.0 * (6 * n + 12 * attn)

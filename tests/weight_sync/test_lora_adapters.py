@@ -141,7 +141,9 @@ def _headers(server) -> dict:
 
 def _publisher(server, path, root) -> AdapterPublisher:
     base = served_model_name(server.url, headers=_headers(server))
-    return AdapterPublisher([server.url], root, base, headers=_headers(server), canary_tolerance=1e-4)
+    return AdapterPublisher(
+        [server.url], root, base, canary=_canary(), headers=_headers(server), canary_tolerance=1e-4
+    )
 
 
 @pytest.mark.vllm
@@ -153,9 +155,9 @@ def test_a_pushed_adapter_serves_the_merged_models_logprobs(lora_server):
         for version, seed in ((1, 0), (2, 1)):
             adapter = random_adapter(base, seed)
             ref.load(merged(base, adapter, ALPHA))
-            metrics = pub.publish(adapter, peft_config(), version, canary=(_canary(), ref.logprobs))
+            metrics = pub.publish(adapter, peft_config(), version, logprobs=ref.logprobs)
             assert pub.current == (adapter_name(version, pub.run), version)
-            assert metrics["weight_sync/canary_max_abs_diff"] <= 1e-4
+            assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= 1e-4
             assert metrics["weight_sync/bytes"] == sum(v.nbytes for v in adapter.values())
             # only the adapter moves: a fraction of the model's bytes
             assert metrics["weight_sync/bytes"] < 0.25 * sum(v.nbytes for v in base.values())
@@ -178,14 +180,14 @@ def test_the_canary_fails_a_wrong_adapter_and_the_previous_version_keeps_serving
     try:
         good = random_adapter(base, 3)
         ref.load(merged(base, good, ALPHA))
-        pub.publish(good, peft_config(), 1, canary=(_canary(), ref.logprobs))
+        pub.publish(good, peft_config(), 1, logprobs=ref.logprobs)
         bad = random_adapter(base, 4)
         if wrong == "scale":  # the served scale is alpha / r; the trainer's twice that
             ref.load(merged(base, bad, 2 * ALPHA))
         else:  # the trainer applies A^T B^T (square projections only), vLLM B A
             ref.load(merged(base, {k: _transposed(k, v, bad) for k, v in bad.items()}, ALPHA))
         with pytest.raises(CanaryError, match=adapter_name(2, pub.run)):
-            pub.publish(bad, peft_config(), 2, canary=(_canary(), ref.logprobs))
+            pub.publish(bad, peft_config(), 2, logprobs=ref.logprobs)
         assert pub.current == (adapter_name(1, pub.run), 1) and adapter_name(2, pub.run) not in _served_names(
             server
         )
@@ -256,3 +258,30 @@ def test_an_adapter_the_server_cannot_load_is_refused_and_nothing_switches(lora_
         assert pub.current[1] == 0 and pub.loaded() == [] and not (root / "v1").exists()
     finally:
         pub.close()
+
+
+@pytest.mark.vllm
+def test_a_restarted_server_gets_the_current_adapter_again_by_the_re_push(lora_server):
+    """Recovery's path: a server restarted from its checkpoint has no adapter (it no longer serves the
+    version); re-pushing the current version loads it there, the canary passes, nothing retires."""
+    server, path, ref, root = lora_server
+    base = ref.state()
+    pub = _publisher(server, path, root)
+    try:
+        adapter = random_adapter(base, 11)
+        ref.load(merged(base, adapter, ALPHA))
+        pub.publish(adapter, peft_config(), 3, logprobs=ref.logprobs)
+        assert pub.server_version(server.url) == "3" and pub.gate.version == 3
+        server.stop()
+        server.spawn()
+        server.wait_healthy(server.options.startup_timeout_s)
+        assert pub.server_version(server.url) == ""  # the restarted server lists no adapter
+        metrics = pub.publish(adapter, peft_config(), 3, logprobs=ref.logprobs)
+        assert (
+            metrics["weight_sync/canary_logprob_max_abs_diff"] <= 1e-4
+            and pub.server_version(server.url) == "3"
+        )
+        assert pub.loaded() == [adapter_name(3, pub.run)] and (root / "v3").is_dir()
+    finally:
+        pub.close()
+        ref.load(base)
