@@ -93,7 +93,8 @@ def test_engine_close_gives_the_cores_back():
         from types import SimpleNamespace
         from rljax.rollout import RolloutEngine, placement
         everything = placement.allowed_cpus()
-        part = SimpleNamespace(close=lambda: None)   # a client and a syncer with nothing to close
+        from rljax.weight_sync.gate import PolicyGate
+        part = SimpleNamespace(close=lambda: None, gate=PolicyGate())  # a client and syncer: nothing to close
         engine = RolloutEngine(part, part)
         engine.unpin_cpus = everything
         placement.pin_process(everything[-1:])   # what make_engine does in async mode
