@@ -57,6 +57,7 @@ EXTRAS = {
         "tensorboard>=2.16",
         "ruff>=0.6",
         "kubernetes-validate>=1.30",  # the rendered Kubernetes manifests, checked offline (--strict)
+        "peft>=0.13",  # `rljax.export --adapter` is loaded by PEFT itself in tests/test_export.py
     ],  # the suite also needs the data, wandb and ray extras (setup_env.sh installs them)
 }
 

@@ -226,3 +226,18 @@ def test_lora_export_refuses_a_different_base_and_adapter_of_a_full_run(lora_run
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and fragment in lines[0], (name, err)
         assert not (tmp_path / name).exists(), name
+
+
+def test_the_exported_adapter_loads_in_peft_with_the_merged_models_logits(lora_run, tmp_path):
+    """PEFT itself (`PeftModel.from_pretrained` over the base) reads the exported adapter: its logits are
+    the merged export's (and rljax's unmerged LoRA forward's)."""
+    import peft  # the test extra: the adapter's real reader
+
+    workdir, base_dir, _, _, _ = lora_run
+    _, merged_dir = export.export(str(workdir), str(tmp_path / "merged"))
+    _, adapter_dir = export.export(str(workdir), str(tmp_path / "adapter"), adapter=True)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    with torch.no_grad():
+        got = model(torch.as_tensor(IDS)).logits.numpy()
+    np.testing.assert_allclose(got, hf_logits(merged_dir), atol=LOGIT_TOL, rtol=0)
