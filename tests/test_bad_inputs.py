@@ -126,6 +126,15 @@ ARG_CASES = {  # name -> (overrides, with {tmp} and {file} filled in, fragments 
         ["--config.model.lora_rank=8", "--config.model.lora_targets=('q_proj(',)"],
         ["model.lora_targets", "not a valid regex"],
     ),
+    "lora_rank_above_vllms": (["--config.model.lora_rank=1024"], ["model.lora_rank", "up to 512"]),
+    "lora_with_fp8_push": (
+        [  # servers elsewhere (GPU): the CPU build's own fp8 refusal does not apply
+            "--config.model.lora_rank=8",
+            "--config.rollout.weight_sync.dtype=float8_e4m3",
+            "--config.rollout.vllm.urls=('http://127.0.0.1:9',)",
+        ],
+        ["rollout.weight_sync.dtype", "only its adapter"],
+    ),
     "lora_with_ppo": (
         [
             "--config.model.lora_rank=8",

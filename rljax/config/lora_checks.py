@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from rljax.config.schema import Config, ConfigError
+from rljax.config.schema import FP8_SERVING, Config, ConfigError
+
+MAX_VLLM_LORA_RANK = 512  # vLLM's largest --max-lora-rank (rljax.weight_sync.adapters.VLLM_MAX_RANKS)
 
 if TYPE_CHECKING:
     from rljax.algos import Family
@@ -17,6 +19,15 @@ def validate_lora(cfg: Config, family: Family) -> None:
     m = cfg.model
     if not m.lora_rank:
         return
+    if m.lora_rank > MAX_VLLM_LORA_RANK:
+        raise ConfigError(
+            "model.lora_rank", f"vLLM serves ranks up to {MAX_VLLM_LORA_RANK}, got {m.lora_rank}"
+        )
+    if cfg.rollout.weight_sync.dtype == FP8_SERVING:
+        raise ConfigError(
+            "rollout.weight_sync.dtype",
+            "float8_e4m3 pushes fp8 model weights; a LoRA run pushes only its adapter (leave it unset)",
+        )
     if not m.lora_alpha > 0:
         raise ConfigError("model.lora_alpha", f"must be > 0 with model.lora_rank > 0, got {m.lora_alpha!r}")
     if not m.lora_targets or not all(isinstance(t, str) and t for t in m.lora_targets):
