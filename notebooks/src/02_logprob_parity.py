@@ -38,7 +38,7 @@ from rljax import models, trainer
 from rljax.loop.engine import make_canary_logprobs
 from rljax.trajectory import Trajectory, build_loss_inputs
 from rljax.models.tiny import build_tiny_checkpoint
-from rljax.rollout import RolloutEngine, RolloutError, ServerOptions, StateDictWeights, VLLMServer
+from rljax.rollout import HostWeights, RolloutEngine, RolloutError, ServerOptions, VLLMServer
 from rljax.sharding import make_mesh
 from rljax.weight_sync import WeightSyncError, make_canary
 
@@ -140,11 +140,12 @@ rljax_canary(canary.prompt_ids, canary.completion_ids)
 t0 = time.perf_counter()
 server.wait_healthy(300)
 # HF-named tensors in, `rljax_canary` as the trainer side (the training loop's engine takes JAX params)
-engine = RolloutEngine.connect([server.url], ckpt, servers=[server], weights=StateDictWeights(rljax_canary))
+engine = RolloutEngine.connect([server.url], ckpt, servers=[server])
+weights = HostWeights(rljax_canary)  # host tensors; the canary's trainer side is rljax's forward
 atexit.register(engine.close)
 print(f"vLLM up at {server.url} ({time.perf_counter() - t0:.1f} s more after the cells above)")
 
-sync = engine.push_weights(models.iter_hf_tensors(model_config, params), 1)
+sync = engine.push_weights(weights.snapshot(models.iter_hf_tensors(model_config, params)), 1)
 print(
     f"pushed {sync['weight_sync/bytes'] / 2**20:.2f} MiB in {sync['weight_sync/seconds'] * 1e3:.0f} ms "
     f"(server paused {sync['weight_sync/pause_seconds'] * 1e3:.0f} ms); canary max |diff| "
@@ -295,7 +296,7 @@ for label, d in broken.items():
 
 # %%
 try:
-    engine.push_weights(swap_gate_up(hf_state).items(), 2)
+    engine.push_weights(weights.snapshot(swap_gate_up(hf_state).items()), 2)
     raise AssertionError("the canary accepted a broken mapping")
 except WeightSyncError as e:
     print("WeightSyncError:", str(e)[:300])
@@ -306,7 +307,7 @@ try:
 except RolloutError as e:
     print("RolloutError:", e)
 
-sync = engine.push_weights(models.iter_hf_tensors(model_config, params), 3)
+sync = engine.push_weights(weights.snapshot(models.iter_hf_tensors(model_config, params)), 3)
 canary_diff = sync["weight_sync/canary_logprob_max_abs_diff"]
 print(f"repaired: serving version {engine.version}, canary max |diff| {canary_diff:.1e}")
 again = engine.generate(prompt_ids, n=4, temperature=1.0, max_tokens=48, seed=0)
