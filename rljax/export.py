@@ -161,7 +161,7 @@ def write_peft_adapter(out: Path, model_config: Any, adapter: dict, model_dir: P
     from safetensors.numpy import save_file
 
     from rljax.models import lora
-    from rljax.models.hf import TOKENIZER_FILES
+    from rljax.models.hf import copy_tokenizer
 
     out.mkdir(parents=True)
     np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
@@ -169,9 +169,7 @@ def write_peft_adapter(out: Path, model_config: Any, adapter: dict, model_dir: P
     save_file(tensors, str(out / "adapter_model.safetensors"))
     config = lora.peft_config(model_config, str(model_dir))
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for name in TOKENIZER_FILES:  # the base's tokenizer and chat template, as PEFT adapters ship them
-        if (model_dir / name).exists():
-            shutil.copyfile(model_dir / name, out / name)
+    copy_tokenizer(model_dir, out)  # the base's tokenizer and chat template, as PEFT adapters ship them
 
 
 def write_model(out: Path, model_config: Any, params: dict, model_dir: Path, dtype: str) -> None:

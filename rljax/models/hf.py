@@ -26,7 +26,7 @@ from rljax.models.params import ParamEntry, get_path, hf_blocks, nest_paths
 from rljax.sharding import logical_to_sharding
 
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-TOKENIZER_FILES = (
+_TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -57,10 +57,8 @@ def _hf_names(config: ModelConfig) -> Iterator[tuple[str, ParamEntry, int | None
 
 
 def hf_tensor_specs(config: ModelConfig, dtype: Any = None) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The expected Hugging Face state: `{hf_name: (shape, dtype name)}` in state-dict order.
-
-    Tied embeddings have no `lm_head.weight`. dtype defaults to `config.param_dtype`.
-    """
+    """The expected Hugging Face state: `{hf_name: (shape, dtype name)}` in state-dict order (tied
+    embeddings have no `lm_head.weight`); dtype defaults to `config.param_dtype`."""
     name = jnp.dtype(dtype or config.param_dtype).name
     return {hf: (e.hf_shape, name) for hf, e, _ in _hf_names(config)}
 
@@ -384,10 +382,14 @@ def save_hf_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     if tokenizer_dir is not None:
-        for fname in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / fname).exists():
-                shutil.copyfile(Path(tokenizer_dir) / fname, path / fname)
+        copy_tokenizer(tokenizer_dir, path)
     return path
+
+
+def copy_tokenizer(source: str | Path, path: str | Path) -> None:
+    """Copies the tokenizer, chat-template and generation files `source` has into `path`."""
+    for fname in (f for f in _TOKENIZER_FILES if (Path(source) / f).exists()):
+        shutil.copyfile(Path(source) / fname, Path(path) / fname)
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -238,12 +238,6 @@ class AdapterPublisher:
     def reset(self) -> None:
         """Nothing per server to forget (a restarted server gets the current adapter by the re-push)."""
 
-    def reload(self, url: str) -> None:
-        """Loads the current adapter into `url` again (a server restarted by recovery has none)."""
-        name, _ = self._current
-        if name in self._paths:
-            self._load(url, name, self._paths[name])
-
     def _load(self, url: str, name: str, path: Path) -> None:
         body = {"lora_name": name, "lora_path": str(path)}
         resp = _post(url, "/v1/load_lora_adapter", body, self.headers, self.timeout_s)
