@@ -146,6 +146,14 @@ def _publisher(server, path, root) -> AdapterPublisher:
     )
 
 
+def push_checked(pub, ref, base, seed: int, version: int) -> tuple[dict, dict]:
+    """Publishes a random adapter as `version`, the canary answered by `ref` holding the merged weights;
+    returns (adapter, metrics)."""
+    adapter = random_adapter(base, seed)
+    ref.load(merged(base, adapter, ALPHA))
+    return adapter, pub.publish(adapter, peft_config(), version, logprobs=ref.logprobs)
+
+
 @pytest.mark.vllm
 def test_a_pushed_adapter_serves_the_merged_models_logprobs(lora_server):
     server, path, ref, root = lora_server
@@ -153,9 +161,7 @@ def test_a_pushed_adapter_serves_the_merged_models_logprobs(lora_server):
     pub = _publisher(server, path, root)
     try:
         for version, seed in ((1, 0), (2, 1)):
-            adapter = random_adapter(base, seed)
-            ref.load(merged(base, adapter, ALPHA))
-            metrics = pub.publish(adapter, peft_config(), version, logprobs=ref.logprobs)
+            adapter, metrics = push_checked(pub, ref, base, seed, version)
             assert pub.current == (adapter_name(version, pub.run), version)
             assert metrics["weight_sync/canary_logprob_max_abs_diff"] <= 1e-4
             assert metrics["weight_sync/bytes"] == sum(v.nbytes for v in adapter.values())
@@ -178,9 +184,7 @@ def test_the_canary_fails_a_wrong_adapter_and_the_previous_version_keeps_serving
     base = ref.state()
     pub = _publisher(server, path, root)
     try:
-        good = random_adapter(base, 3)
-        ref.load(merged(base, good, ALPHA))
-        pub.publish(good, peft_config(), 1, logprobs=ref.logprobs)
+        push_checked(pub, ref, base, 3, 1)
         bad = random_adapter(base, 4)
         if wrong == "scale":  # the served scale is alpha / r; the trainer's twice that
             ref.load(merged(base, bad, 2 * ALPHA))
@@ -268,9 +272,7 @@ def test_a_restarted_server_gets_the_current_adapter_again_by_the_re_push(lora_s
     base = ref.state()
     pub = _publisher(server, path, root)
     try:
-        adapter = random_adapter(base, 11)
-        ref.load(merged(base, adapter, ALPHA))
-        pub.publish(adapter, peft_config(), 3, logprobs=ref.logprobs)
+        adapter, _ = push_checked(pub, ref, base, 11, 3)
         assert pub.server_version(server.url) == "3" and pub.gate.version == 3
         server.stop()
         server.spawn()
